@@ -1,0 +1,146 @@
+"""Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
+
+Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len + 1,
+head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
+KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft positions is only a
+smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
+copied or re-padded per round.
+
+Hugging Face decoder models are routed through this store with transformers' documented extension
+points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
+function registered under ATTENTION_NAME that reads the per-sequence mask. The last column of each
+buffer is a scratch position that padded query tokens write to; no real query ever attends to it.
+
+This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
+(which slots, where each sequence starts, how many new tokens each has) before every forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "specpipe_slot"
+
+
+@dataclass
+class StepLayout:
+    """Where one forward's padded [batch, max_q] tokens go in the slot store."""
+    slots: torch.Tensor        # [batch] int64 slot of each row
+    write_pos: torch.Tensor    # [batch, max_q] int64 cache position per token (scratch for padding)
+    position_ids: torch.Tensor  # [batch, max_q] int64 RoPE positions (padding repeats the last real one)
+    is_valid: torch.Tensor     # [batch, max_q] bool real token (not padding)
+    kv_len: int                # keys read per row: max over rows of start + num_new
+    slot_range: tuple[int, int] | None  # (lo, hi) when slots == arange(lo, hi): read a view, not a gather
+
+
+def make_layout(slots: list[int], starts: list[int], num_new: list[int], scratch: int,
+                device: torch.device) -> StepLayout:
+    """Build the layout for rows with `num_new[b]` new tokens at positions starts[b]... in slots[b]."""
+    max_q = max(num_new)
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    num_new_t = torch.tensor(num_new, dtype=torch.long)
+    q_idx = torch.arange(max_q).unsqueeze(0)                                   # [1, max_q]
+    is_valid = q_idx < num_new_t.unsqueeze(1)                                  # [batch, max_q]
+    position_ids = starts_t.unsqueeze(1) + torch.minimum(q_idx, (num_new_t - 1).unsqueeze(1))
+    write_pos = torch.where(is_valid, position_ids, torch.full_like(position_ids, scratch))
+    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+    return StepLayout(
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        write_pos=write_pos.to(device), position_ids=position_ids.to(device), is_valid=is_valid.to(device),
+        kv_len=int((starts_t + num_new_t).max()),
+        slot_range=(slots[0], slots[0] + len(slots)) if contiguous else None,
+    )
+
+
+def attention_mask(layout: StepLayout, num_groups: int, dtype: torch.dtype,
+                   sliding_window: int | None = None) -> torch.Tensor:
+    """Additive mask [batch, 1, num_groups * max_q, kv_len]: row (b, q) sees keys 0..position(b, q).
+    Query heads that share a KV head are folded into the query axis (see slot_attention)."""
+    keys = torch.arange(layout.kv_len, device=layout.position_ids.device)     # [kv_len]
+    pos = layout.position_ids.unsqueeze(-1)                                    # [batch, max_q, 1]
+    allowed = keys <= pos                                                      # [batch, max_q, kv_len]
+    if sliding_window is not None:
+        allowed &= keys > pos - sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    batch, max_q, kv_len = mask.shape
+    return mask.unsqueeze(1).expand(batch, num_groups, max_q, kv_len).reshape(batch, 1, num_groups * max_q, kv_len)
+
+
+class SlotKVCache(Cache):
+    """Preallocated per-slot KV store for one model. Set `layout` before each forward."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(layers=[])
+        shape = (num_slots, num_kv_heads, max_len + 1, head_dim)
+        # zeros, not empty: masked positions still enter the weighted sum (0 * NaN would be NaN)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers, self.max_len, self.scratch = num_layers, max_len, max_len
+        self.layout: StepLayout | None = None
+
+    # Attributes transformers' mask helpers read from any Cache.
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write key/value [batch, kv_heads, max_q, head_dim] at the layout's positions; return the keys
+        and values each row attends to: [batch, kv_heads, kv_len, head_dim]."""
+        lay = self.layout
+        slot_bq = lay.slots.unsqueeze(1).expand_as(lay.write_pos)              # [batch, max_q]
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf[slot_bq, :, lay.write_pos] = key_states.permute(0, 2, 1, 3).to(k_buf.dtype)
+        v_buf[slot_bq, :, lay.write_pos] = value_states.permute(0, 2, 1, 3).to(v_buf.dtype)
+        if lay.slot_range is not None:
+            lo, hi = lay.slot_range
+            return k_buf[lo:hi, :, :lay.kv_len], v_buf[lo:hi, :, :lay.kv_len]
+        return k_buf[lay.slots, :, :lay.kv_len], v_buf[lay.slots, :, :lay.kv_len]
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over the slot store. query [batch, heads, max_q, head_dim]; key/value
+    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_mask()` above.
+    Calls without a SlotKVCache (e.g. HF `generate` on the same model) fall through to SDPA."""
+    if not kwargs.get("slot_step", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    batch, num_heads, max_q, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+    # Fold the query heads sharing a KV head into the query axis: no K/V repeat (CPU SDPA ignores enable_gqa).
+    q = query.reshape(batch, num_kv_heads, groups * max_q, head_dim)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    out = out.reshape(batch, num_heads, max_q, head_dim).transpose(1, 2)       # [batch, max_q, heads, head_dim]
+    return out, None
+
+
+def register_attention() -> None:
+    """Register the slot attention (and SDPA's mask builder for non-slot calls). Idempotent."""
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,126 @@
+"""Verification of draft tokens against the target: pure functions of tensors.
+
+Greedy rule (temperature 0): accept draft token y_i while y_i == argmax p_i; at the first mismatch
+emit argmax p_i (the *recovered* token). Sampling rule (Leviathan et al. 2023, Chen et al. 2023):
+accept y_i with probability min(1, p_i(y_i) / q_i(y_i)); at the first rejection emit a token from
+norm([p_i - q_i]+). For token-only drafts q_i is one-hot on y_i: acceptance is p_i(y_i), and the
+residual is p_i with y_i removed, renormalised. When every draft token is accepted a *bonus* token is
+drawn from p_{g+1}. Either way the emitted sequence is distributed exactly as the target's.
+
+Ragged batches are stored flat: sequence b owns draft rows cu_num_draft[b]:cu_num_draft[b+1] and
+target rows cu_num_draft[b]+b : cu_num_draft[b+1]+b+1 (its g_b + 1 distributions).
+
+This module knows nothing about models, caches, requests or random generators: all randomness comes
+in as uniforms drawn by the caller from each sequence's own generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyOutput:
+    num_accepted: torch.Tensor   # [num_seqs] int64: accepted draft tokens per sequence
+    output_ids: torch.Tensor     # [num_seqs, max_draft + 1] int64: accepted + recovered/bonus, -1 padded
+    is_accepted: torch.Tensor    # [num_draft_tokens] bool: per draft position, accepted or not
+                                 # (positions after the first rejection are False)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform per row. probs [rows, vocab] (need not be normalised),
+    uniforms [rows] in [0, 1). Returns [rows] int64. Zero-probability tokens are never drawn."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)                      # [rows, vocab]
+    target = (uniforms.to(torch.float64) * cdf[:, -1]).unsqueeze(-1)  # [rows, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def _flat_index(cu_num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each draft row: its sequence, its position within the sequence, its target row."""
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                   # [num_seqs]
+    seq_of_row = torch.repeat_interleave(torch.arange(len(num_draft), device=cu_num_draft.device), num_draft)
+    pos_in_seq = torch.arange(int(cu_num_draft[-1]), device=cu_num_draft.device) - cu_num_draft[seq_of_row]
+    target_row = cu_num_draft[seq_of_row] + seq_of_row + pos_in_seq
+    return seq_of_row, pos_in_seq, target_row
+
+
+def first_rejections(is_accepted: torch.Tensor, cu_num_draft: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the number of leading accepted draft tokens. is_accepted [num_draft_tokens]."""
+    num_seqs = len(cu_num_draft) - 1
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
+    seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft)
+    # Rejected positions (or g for none): the first one is the accepted prefix length.
+    reject_pos = torch.where(is_accepted, num_draft[seq_of_row], pos_in_seq)
+    num_accepted = num_draft.clone()
+    return num_accepted.scatter_reduce_(0, seq_of_row, reject_pos, reduce="amin", include_self=True) \
+        if num_seqs else num_accepted
+
+
+def verify(
+    draft_ids: torch.Tensor,          # [num_draft_tokens] int64, flat
+    cu_num_draft: torch.Tensor,       # [num_seqs + 1] int64 offsets
+    target_probs: torch.Tensor,       # [num_draft_tokens + num_seqs, vocab] processed p (rows per seq: g+1)
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab] processed q, or None (all one-hot)
+    is_greedy: torch.Tensor,          # [num_seqs] bool
+    accept_uniforms: torch.Tensor,    # [num_draft_tokens] in [0, 1)
+    sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
+    is_onehot: torch.Tensor | None = None,  # [num_draft_tokens] bool: row is token-only even if draft_probs given
+) -> VerifyOutput:
+    """Apply the greedy or rejection-sampling rule to every sequence of a ragged batch."""
+    device = target_probs.device
+    num_seqs = len(cu_num_draft) - 1
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                    # [num_seqs]
+    max_draft = int(num_draft.max()) if num_seqs else 0
+    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
+
+    p_rows = target_probs[target_row]                                   # [num_draft_tokens, vocab]
+    p_y = p_rows.gather(1, draft_ids.unsqueeze(1)).squeeze(1)           # [num_draft_tokens]
+    onehot = _onehot_mask(draft_probs, is_onehot, draft_ids)
+    q_y = torch.ones_like(p_y) if draft_probs is None else torch.where(
+        onehot, torch.ones_like(p_y), draft_probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1).to(p_y.dtype))
+    # u < min(1, p/q)  <=>  u * q < p  (q > 0 for a proposed token)
+    sampled_accept = accept_uniforms.to(p_y.dtype) * q_y < p_y
+    greedy_accept = draft_ids == p_rows.argmax(dim=-1)
+    is_accepted = torch.where(is_greedy[seq_of_row], greedy_accept, sampled_accept)
+    num_accepted = first_rejections(is_accepted, cu_num_draft)          # [num_seqs]
+    is_accepted &= pos_in_seq < num_accepted[seq_of_row]
+
+    # The final token of each sequence: recovered (at the first rejection) or bonus (all accepted).
+    final_row = cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted
+    final_p = target_probs[final_row]                                   # [num_seqs, vocab]
+    rejected = num_accepted < num_draft
+    final_dist = final_p.clone()
+    if bool(rejected.any()):
+        rej_seq = rejected.nonzero().squeeze(1)
+        rej_draft_row = cu_num_draft[rej_seq] + num_accepted[rej_seq]
+        q_rows = _q_rows(draft_probs, onehot, draft_ids, rej_draft_row, final_p.shape[-1], final_p.dtype)
+        residual = (final_p[rej_seq] - q_rows).clamp_(min=0)
+        # p == q exactly makes rejection impossible; guard the 0/0 anyway.
+        empty = residual.sum(dim=-1) <= 0
+        final_dist[rej_seq] = torch.where(empty.unsqueeze(1), final_p[rej_seq], residual)
+    final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), sample_from_probs(final_dist, sample_uniforms))
+
+    output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
+    acc_rows = is_accepted.nonzero().squeeze(1)
+    output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]
+    output_ids[torch.arange(num_seqs, device=device), num_accepted] = final_tok
+    return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted)
+
+
+def _onehot_mask(draft_probs, is_onehot, draft_ids) -> torch.Tensor:
+    if draft_probs is None:
+        return torch.ones_like(draft_ids, dtype=torch.bool)
+    if is_onehot is None:
+        return torch.zeros_like(draft_ids, dtype=torch.bool)
+    return is_onehot
+
+
+def _q_rows(draft_probs, onehot, draft_ids, rows, vocab, dtype) -> torch.Tensor:
+    """q for the given draft rows as dense [len(rows), vocab]; one-hot rows built on the fly."""
+    dense = torch.zeros(len(rows), vocab, dtype=dtype, device=draft_ids.device)
+    dense[torch.arange(len(rows), device=draft_ids.device), draft_ids[rows]] = 1.0
+    if draft_probs is None:
+        return dense
+    return torch.where(onehot[rows].unsqueeze(1), dense, draft_probs[rows].to(dtype))
