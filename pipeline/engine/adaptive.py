@@ -1,0 +1,107 @@
+"""Adaptive draft length: per sequence, from its recent acceptance and the current batch size,
+using measured draft and verify costs. No torch.
+
+Model (the one written down in bench/RESULTS.md): with per-token acceptance alpha, a round with
+draft length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs
+C(g) = V(B * (g + 1)) + g * D(B), where V(T) is the target's forward (+ verification) time for T
+tokens and D(B) the draft's time for one step over B rows (0 for n-gram lookup). Each sequence gets
+the g in [0, max_draft] that maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation
+would cost more than it saves. V and D are piecewise-linear curves measured by a short calibration
+(SpecEngine.calibrate) and rescaled online by the ratio of observed to predicted step times.
+
+Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
+(geometric model), with a weak prior so a sequence that fell to g = 0 is retried later.
+"""
+from __future__ import annotations
+
+import bisect
+
+
+class CostModel:
+    def __init__(self, ema: float = 0.1):
+        self.verify_curve: list[tuple[int, float]] = []    # (tokens, seconds)
+        self.draft_curve: list[tuple[int, float]] = []     # (rows, seconds per draft step)
+        self.verify_scale = self.draft_scale = 1.0
+        self.ema = ema
+
+    @property
+    def is_calibrated(self) -> bool:
+        return bool(self.verify_curve)
+
+    @staticmethod
+    def _interp(curve: list[tuple[int, float]], x: float) -> float:
+        if not curve:
+            return 0.0
+        xs = [p[0] for p in curve]
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return curve[0][1]
+        if i == len(curve):       # extrapolate linearly from the last two points
+            (x0, y0), (x1, y1) = curve[-2:] if len(curve) > 1 else (curve[-1], curve[-1])
+        else:
+            (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+        return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def verify_cost(self, tokens: int) -> float:
+        return self.verify_scale * self._interp(self.verify_curve, tokens)
+
+    def draft_cost(self, rows: int) -> float:
+        return self.draft_scale * self._interp(self.draft_curve, rows)
+
+    def observe(self, batch_size: int, num_draft: int, draft_s: float, target_tokens: int,
+                verify_s: float, draft_steps: int = 0) -> None:
+        """Rescale the curves by observed / predicted time (exponential moving average)."""
+        if not self.is_calibrated:
+            return
+        predicted = self._interp(self.verify_curve, target_tokens)
+        if predicted > 0:
+            self.verify_scale += self.ema * (verify_s / predicted - self.verify_scale)
+        predicted = draft_steps * self._interp(self.draft_curve, batch_size)
+        if draft_steps and predicted > 0:
+            self.draft_scale += self.ema * (draft_s / predicted - self.draft_scale)
+
+    def round_cost(self, batch_size: int, g: int) -> float:
+        return self.verify_cost(batch_size * (g + 1)) + g * self.draft_cost(batch_size)
+
+
+def expected_tokens(alpha: float, g: int) -> float:
+    """Mean tokens emitted by a round with draft length g and per-token acceptance alpha."""
+    if alpha >= 1.0:
+        return g + 1.0
+    return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+
+class AdaptiveDraftLength:
+    def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
+                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
+        self.max_draft, self.costs, self.draft_is_free = max_draft, costs, draft_is_free
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
+
+    def acceptance(self, request_id: str) -> float:
+        acc, rej = self._stats.get(request_id, (0.0, 0.0))
+        return (acc + self.prior * self.prior_weight) / (acc + rej + self.prior_weight)
+
+    def update(self, seq, num_draft: int, num_accepted: int) -> None:
+        stats = self._stats.setdefault(seq.request_id, [0.0, 0.0])
+        stats[0] *= self.decay
+        stats[1] *= self.decay
+        stats[0] += num_accepted
+        stats[1] += 1.0 if num_accepted < num_draft else 0.0
+        if seq.is_finished:
+            del self._stats[seq.request_id]
+
+    def best_length(self, alpha: float, batch_size: int) -> int:
+        best_g, best_rate = 0, 0.0
+        for g in range(self.max_draft + 1):
+            cost = self.costs.verify_cost(batch_size * (g + 1))
+            cost += 0.0 if self.draft_is_free else g * self.costs.draft_cost(batch_size)
+            rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
+            if rate > best_rate * 1.0001:
+                best_g, best_rate = g, rate
+        return best_g
+
+    def choose(self, batch) -> list[int]:
+        if not self.costs.is_calibrated:
+            return [self.max_draft] * len(batch)
+        return [self.best_length(self.acceptance(s.request_id), len(batch)) for s in batch]

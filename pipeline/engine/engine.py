@@ -1,0 +1,292 @@
+"""SpecEngine: continuous-batched speculative decoding, one round per step().
+
+Glossary (used throughout the engine):
+  draft     a token proposed by the drafter (n-gram lookup or a small model)
+  accepted  a draft token the verifier kept
+  recovered the token emitted at the first rejection, drawn from norm([p - q]+) (greedy: argmax p)
+  bonus     the token drawn from p_{g+1} when all g draft tokens were accepted
+  committed in the output; nothing past a stop is ever committed
+  computed  has KV in a model's slot store; the target always lags the committed tokens by one
+
+The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished.
+
+This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
+used for stop strings and output text.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .adaptive import AdaptiveDraftLength, CostModel
+from .drafters import DraftBatch, NoDrafter, row_probs
+from .request import RequestError, SamplingParams, Sequence
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .verify import verify
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16           # running sequences at most (= KV slots per model)
+    max_model_len: int = 2048        # prompt + output tokens per sequence (KV positions per slot)
+    num_speculative_tokens: int = 4  # draft length g (the maximum, when adaptive)
+    adaptive: bool = False           # per-sequence g from its acceptance and measured costs; may be 0
+    max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
+
+    def __post_init__(self):
+        for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
+                          ("max_prefill_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"engine.{name}: expected an integer >= {low}, got {value!r}")
+
+
+@dataclass
+class RoundRecord:
+    request_id: str
+    round: int                       # 0-based round index of this sequence
+    draft_len: int                   # g proposed
+    accepted: int                    # leading draft tokens accepted
+    emitted: int                     # tokens committed this round (accepted + recovered/bonus, cut at stops)
+    accepted_mask: list[bool]        # per draft position
+    batch_size: int                  # running sequences in this step
+    draft_s: float                   # the step's draft phase, seconds
+    verify_s: float                  # the step's verify phase (target forward + verification)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_len: int
+    output_ids: list[int]
+    text: str | None
+    finish_reason: str
+    seed: int
+    num_rounds: int
+    num_draft_tokens: int
+    num_accepted: int
+
+
+@dataclass
+class StepOutput:
+    finished: list[Completion] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+
+@dataclass
+class _SeqRng:
+    draft: torch.Generator
+    verify: torch.Generator
+
+
+def _sync(device: torch.device) -> None:
+    """Make wall-clock phase timings honest on asynchronous devices."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seq_generators(seed: int, request_id: str) -> _SeqRng:
+    """Independent CPU generators for a sequence, from (seed, request id) only: the same seed and
+    prompt sample the same tokens whatever the batch or admission order."""
+    def gen(salt: str) -> torch.Generator:
+        digest = hashlib.sha256(f"{seed}\x00{request_id}\x00{salt}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return _SeqRng(draft=gen("draft"), verify=gen("verify"))
+
+
+class SpecEngine:
+    def __init__(self, target: ModelRunner, drafter=None, config: EngineConfig | None = None,
+                 eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None):
+        self.config = config or EngineConfig()
+        self.target = target
+        self.drafter = drafter or NoDrafter(target.device)
+        if getattr(self.drafter, "runner", None) is not None and self.drafter.runner.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary ({self.drafter.runner.vocab_size}) does not match the "
+                             f"target's ({target.vocab_size}): drafts must share the target's tokenizer")
+        if hasattr(self.drafter, "model"):          # hybrid: its model part draws from the seq's generator
+            self.drafter.model.uniform = self._draft_uniform
+        elif hasattr(self.drafter, "uniform"):
+            self.drafter.uniform = self._draft_uniform
+        self.eos_token_ids = list(eos_token_ids)
+        self.decode = decode
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
+        self.costs = CostModel()
+        self.policy = AdaptiveDraftLength(self.config.num_speculative_tokens, self.costs,
+                                          draft_is_free=self.drafter.runner is None)
+        self._ids: set[str] = set()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    seed: int = 0) -> None:
+        """Queue a request. Raises RequestError (naming the field) for bad input; the running batch is
+        never touched by a rejected request."""
+        params = params or SamplingParams()
+        self._validate(request_id, prompt_ids, params)
+        seq = Sequence(str(request_id), [int(t) for t in prompt_ids], params, int(seed))
+        seq.rng = seq_generators(seq.seed, seq.request_id)
+        self._ids.add(seq.request_id)
+        self.scheduler.add(seq)
+
+    def _validate(self, request_id, prompt_ids, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}")
+        if str(request_id) in self._ids:
+            raise RequestError("request_id", f"duplicate id {request_id!r}")
+        if len(prompt_ids) == 0:
+            raise RequestError("prompt", "empty prompt: expected at least 1 token")
+        limit = self.config.max_model_len - 1
+        if len(prompt_ids) > limit:
+            raise RequestError("prompt", f"{len(prompt_ids)} tokens; expected at most {limit} "
+                                         f"(max_model_len {self.config.max_model_len} leaves room for 1 new token)")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.vocab_size]
+        if bad:
+            raise RequestError("prompt", f"token id {bad[0]} outside [0, {self.target.vocab_size})")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the round ------------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        if self.config.adaptive and not self.costs.is_calibrated:
+            self.calibrate()
+        self._admit_and_prefill()
+        batch = list(self.scheduler.running)
+        if not batch:
+            return StepOutput()
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(batch, self._draft_lengths(batch))
+        _sync(self.target.device)
+        t1 = time.perf_counter()
+        out, target_rows = self._verify(batch, drafts)
+        _sync(self.target.device)
+        t2 = time.perf_counter()
+        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=t1 - t0,
+                           target_tokens=target_rows, verify_s=t2 - t1, draft_steps=max(drafts.num_draft))
+        return self._commit(batch, drafts, out, t1 - t0, t2 - t1)
+
+    def calibrate(self, repeats: int = 3) -> None:
+        """Measure the target's forward time per number of tokens and the draft's per number of rows
+        (the adaptive policy's cost curves). Must run while no sequence holds a slot: it writes
+        scratch KV into the first slots."""
+        if self.scheduler.running or self.scheduler.prefilling:
+            raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
+        slots = self.config.max_num_seqs
+        max_tokens = slots * (self.config.num_speculative_tokens + 1)
+        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
+        self.costs.verify_curve = [(t, self._time_forward(self.target, t, slots, repeats)) for t in sizes]
+        runner = getattr(self.drafter, "runner", None)
+        if runner is not None:
+            rows = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
+            self.costs.draft_curve = [(r, self._time_forward(runner, r, r, repeats)) for r in rows]
+
+    @staticmethod
+    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, repeats: int) -> float:
+        rows = min(tokens, max_rows)
+        per_row = -(-tokens // rows)
+        inputs = [[0] * per_row for _ in range(rows)]
+        times = []
+        for _ in range(repeats + 1):                       # first run is a warm-up
+            t0 = time.perf_counter()
+            runner.forward(list(range(rows)), [0] * rows, inputs, logits="all").softmax(dim=-1)
+            _sync(runner.device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times[1:])[len(times[1:]) // 2]
+
+    def _admit_and_prefill(self) -> None:
+        self.scheduler.admit()
+        draft_runner = getattr(self.drafter, "runner", None)
+        for seq, n in self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed):
+            start = seq.num_computed
+            self.target.forward([seq.slot], [start], [seq.prompt_ids[start:start + n]], logits="none")
+            seq.num_computed += n
+            if draft_runner is not None:
+                draft_runner.forward([seq.slot], [start], [seq.prompt_ids[start:start + n]], logits="none")
+                seq.num_draft_computed = seq.num_computed
+        for seq in list(self.scheduler.prefilling):
+            if seq.num_computed == len(seq.prompt_ids) - 1:
+                self.scheduler.promote(seq)
+
+    def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
+        """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
+        cfg = self.config
+        wanted = (self.policy.choose(batch) if cfg.adaptive
+                  else [cfg.num_speculative_tokens] * len(batch))
+        return [max(0, min(g, s.params.max_tokens - len(s.output_ids) - 1,
+                           cfg.max_model_len - s.num_tokens - 1)) for g, s in zip(wanted, batch)]
+
+    def _verify(self, batch: list[Sequence], drafts: DraftBatch):
+        """One target forward over [last committed token, drafts] of every sequence, then the rule."""
+        inputs = [[s.all_ids()[-1]] + drafts.tokens(b) for b, s in enumerate(batch)]
+        logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
+        for s, toks in zip(batch, inputs):
+            s.num_computed += len(toks)
+        row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
+        prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
+        p = row_probs(logits, row_seqs, prefixes)                        # [num_draft + num_seqs, vocab]
+        accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
+        is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
+        return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
+                      accept_u, sample_u, drafts.is_onehot), len(prefixes)
+
+    def _verify_uniforms(self, batch, num_draft, device):
+        """g + 1 uniforms per sampled sequence per round, from its own verify generator."""
+        accept, sample = [], []
+        for s, g in zip(batch, num_draft):
+            u = torch.zeros(g + 1) if s.params.is_greedy else torch.rand(g + 1, generator=s.rng.verify)
+            accept.append(u[:g])
+            sample.append(u[g:])
+        return torch.cat(accept).to(device), torch.cat(sample).to(device)
+
+    def _draft_uniform(self, seq: Sequence) -> float:
+        return float(torch.rand(1, generator=seq.rng.draft))
+
+    def _commit(self, batch, drafts: DraftBatch, out, draft_s: float, verify_s: float) -> StepOutput:
+        """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back."""
+        result = StepOutput()
+        num_accepted = out.num_accepted.tolist()
+        output_ids = out.output_ids.tolist()
+        is_accepted = out.is_accepted.tolist()
+        cu = drafts.cu_num_draft.tolist()
+        for b, seq in enumerate(batch):
+            g, k = drafts.num_draft[b], num_accepted[b]
+            emitted = seq.commit(output_ids[b][:k + 1], self.eos_token_ids, self.config.max_model_len,
+                                 self.decode)
+            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens - 1)
+            self.policy.update(seq, g, k)
+            result.rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted,
+                                             is_accepted[cu[b]:cu[b + 1]], len(batch), draft_s, verify_s))
+            seq.num_rounds += 1
+            seq.num_draft_tokens += g
+            seq.num_accepted += k
+            if seq.is_finished:
+                self.scheduler.release(seq)
+                result.finished.append(self._completion(seq))
+        return result
+
+    def _completion(self, seq: Sequence) -> Completion:
+        self._ids.discard(seq.request_id)
+        text = seq.text
+        if text is None and self.decode is not None:
+            text = self.decode(seq.output_ids)
+        return Completion(seq.request_id, len(seq.prompt_ids), list(seq.output_ids), text, seq.finish_reason,
+                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted)
+
+    def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
+        """Step until every queued request is finished; returns completions in finishing order."""
+        done = []
+        while self.has_unfinished():
+            out = self.step()
+            done.extend(out.finished)
+            if on_step is not None:
+                on_step(out)
+        return done

@@ -1,0 +1,112 @@
+"""From raw logits to the distributions actually sampled from: pure tensor functions.
+
+The same function produces the target's p and the draft's q, row by row, so both are processed
+identically (the precondition of lossless verification). Order, as in Hugging Face `generate`:
+penalties on raw logits -> temperature -> top-k -> top-p -> min-p -> softmax.
+
+Penalties (vLLM semantics): repetition over prompt + output tokens (divide positive logits, multiply
+negative ones), presence and frequency over output tokens only. History-dependent quantities are
+computed per row on that row's own candidate prefix (h + y_<i), which the caller passes as counts.
+
+Greedy rows (temperature 0) come back one-hot on the argmax of their penalised logits: the
+temperature-0 limit, which makes the verifier's greedy rule and its argmax exact.
+
+This module knows nothing about sequences, models or randomness.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import SamplingParams
+
+
+@dataclass
+class RowParams:
+    """Sampling parameters per logits row; [rows] tensors."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    is_greedy: torch.Tensor
+    has_filters: bool
+    has_penalties: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device) -> "RowParams":
+        def col(name, dtype=torch.float32):
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        return cls(
+            temperature=col("temperature"), top_k=col("top_k", torch.long), top_p=col("top_p"),
+            min_p=col("min_p"), repetition_penalty=col("repetition_penalty"),
+            presence_penalty=col("presence_penalty"), frequency_penalty=col("frequency_penalty"),
+            is_greedy=col("is_greedy", torch.bool),
+            has_filters=any(p.has_filters and not p.is_greedy for p in params),
+            has_penalties=any(p.has_penalties for p in params),
+        )
+
+
+def token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab] float32 counts of each row's token history."""
+    width = max((len(h) for h in histories), default=0)
+    idx = torch.full((len(histories), width + 1), vocab, dtype=torch.long)
+    for r, h in enumerate(histories):
+        idx[r, :len(h)] = torch.tensor(h, dtype=torch.long)
+    counts = torch.zeros(len(histories), vocab + 1, dtype=torch.float32)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return counts[:, :vocab].to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor,
+                    prompt_counts: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32; counts [rows, vocab]. Returns new logits."""
+    seen = (output_counts > 0) | (prompt_counts > 0)
+    rep = rp.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - rp.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - rp.presence_penalty.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """top-k, top-p, min-p on temperature-scaled logits [rows, vocab]; removed tokens -> -inf."""
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    vocab = logits.shape[-1]
+    k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
+    if bool((k < vocab).any()):
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        logits = torch.where(logits < kth, neg_inf, logits)
+    if bool((rp.top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= rp.top_p.unsqueeze(1)   # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = torch.where(drop, neg_inf, logits)
+    if bool((rp.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = rp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = torch.where(probs < floor, neg_inf, logits)
+    return logits
+
+
+def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
+                    prompt_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, vocab] (any float dtype) -> probabilities [rows, vocab] float32."""
+    logits = logits.float()
+    if rp.has_penalties:
+        logits = apply_penalties(logits, rp, output_counts, prompt_counts)
+    greedy_choice = logits.argmax(dim=-1)                                 # [rows]
+    temp = torch.where(rp.is_greedy, torch.ones_like(rp.temperature), rp.temperature)
+    logits = logits / temp.unsqueeze(1)
+    if rp.has_filters:
+        logits = _filter(logits, rp)
+    probs = logits.softmax(dim=-1)
+    if bool(rp.is_greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(1, greedy_choice.unsqueeze(1), 1.0)
+        probs = torch.where(rp.is_greedy.unsqueeze(1), onehot, probs)
+    return probs

@@ -1,0 +1,63 @@
+"""Runs a Hugging Face decoder (Llama, Qwen2/3, Mistral, SmolLM...) over a slot KV store.
+
+One ModelRunner per model (target, draft). A forward takes a ragged batch: for each row a slot, the
+position of its first new token, and its new tokens; rows are padded to the longest and the padding
+is neither cached (it writes to the scratch column) nor returned. The runner counts every real token
+it forwards, so tests can prove accepted tokens are never recomputed.
+
+This module knows nothing about requests, drafting or sampling.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_mask, make_layout, register_attention
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class ModelRunner:
+    def __init__(self, model, num_slots: int, max_model_len: int):
+        cfg = _text_config(model.config)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = cfg.vocab_size
+        self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len,
+                                 head_dim, self.dtype, self.device)
+        self.num_forward_tokens = 0        # real tokens forwarded, all time
+        # Route attention through the slot store. Calls without `slot_step` (e.g. HF generate on the
+        # same model object) fall through to SDPA, so the model stays usable elsewhere.
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+                logits: str = "all") -> torch.Tensor | None:
+        """Compute KV for tokens[b] at positions starts[b]... of slot slots[b]. Returns float logits for
+        every real token in row order ([sum(len), vocab]), for the last token of each row
+        ([rows, vocab]), or None (logits="none": prefill)."""
+        num_new = [len(t) for t in tokens]
+        lay = make_layout(slots, starts, num_new, self.cache.scratch, self.device)
+        input_ids = torch.zeros(lay.is_valid.shape, dtype=torch.long)
+        for b, toks in enumerate(tokens):
+            input_ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+        if logits == "last":
+            keep = torch.zeros_like(lay.is_valid)
+            keep[torch.arange(len(tokens)), torch.tensor(num_new) - 1] = True
+        else:
+            keep = lay.is_valid if logits == "all" else torch.zeros_like(lay.is_valid)
+            if logits == "none":
+                keep[0, 0] = True          # HF computes at least one position; discarded below
+        self.cache.layout = lay
+        out = self.model(input_ids=input_ids.to(self.device), position_ids=lay.position_ids,
+                         attention_mask=attention_mask(lay, self.num_groups, self.dtype),
+                         cache=self.cache, use_cache=True, logits_to_keep=keep.to(self.device),
+                         slot_step=True)
+        self.cache.layout = None
+        self.num_forward_tokens += sum(num_new)
+        return None if logits == "none" else out.logits.float()

@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny random-init decoders (only the weights are fake), engines, references."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
+                             SamplingParams, SpecEngine)
+
+DRAFTERS = ["none", "ngram", "draft-greedy", "draft-prob", "hybrid"]
+
+
+def tiny_llama(vocab: int = 512, seed: int = 0, init_range: float = 0.7, layers: int = 2,
+               hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights. init_range 0.5-1.0 gives varied tokens and few near-ties."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=1024, initializer_range=init_range, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def noisy_copy(model, noise: float, seed: int = 1):
+    """A draft that agrees with the target often but not always."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise)
+    return draft
+
+
+def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3):
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(min_n, max_n)
+    method = "probabilistic" if kind == "draft-prob" else "greedy"
+    model_drafter = DraftModelDrafter(ModelRunner(draft_model, num_slots, max_len), method)
+    return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
+
+
+def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
+                adaptive=False, eos=(), decode=None, max_prefill_tokens=512):
+    drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
+                       adaptive=adaptive, max_prefill_tokens=max_prefill_tokens)
+    return SpecEngine(ModelRunner(target, max_num_seqs, max_model_len), drafter, cfg, list(eos), decode)
+
+
+def run_requests(engine, prompts, params, arrive_every: int = 0, seeds=None, ids=None):
+    """Run prompts through the engine. With arrive_every > 0 the first half is queued up front and
+    the rest arrive one per `arrive_every` steps, while others are decoding. Returns
+    ({id: Completion}, [RoundRecord], per-step callback results)."""
+    ids = ids or [str(i) for i in range(len(prompts))]
+    seeds = seeds or [0] * len(prompts)
+    pending = list(zip(ids, prompts, seeds))
+    upfront = len(pending) // 2 if arrive_every else len(pending)
+    for rid, p, s in pending[:upfront]:
+        engine.add_request(rid, p, params, seed=s)
+    pending = pending[upfront:]
+    done, rounds, step = {}, [], 0
+    while engine.has_unfinished() or pending:
+        if pending and (step % max(arrive_every, 1) == 0):
+            rid, p, s = pending.pop(0)
+            engine.add_request(rid, p, params, seed=s)
+        out = engine.step()
+        rounds.extend(out.rounds)
+        done.update({c.request_id: c for c in out.finished})
+        step += 1
+    return done, rounds
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], max_new: int) -> list[int]:
+    """Target-only greedy decoding by Hugging Face `generate` (its own DynamicCache path)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def top2_gap(model, tokens: list[int]) -> float:
+    """Gap between the two largest next-token logits after `tokens` (uncached, fp64 head)."""
+    hidden = model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0, -1]
+    logits = model.lm_head.weight.double() @ hidden.double()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of mixed lengths (1..60); a third repeat a motif so n-gram lookup finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        length = rng.choice([1, 2, 5, 9, 17, 33, 60])
+        if i % 3 == 0 and length >= 9:
+            motif = [rng.randrange(vocab) for _ in range(4)]
+            prompts.append((motif * length)[:length])
+        else:
+            prompts.append([rng.randrange(vocab) for _ in range(length)])
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def draft_model(target_model):
+    return noisy_copy(target_model, noise=0.05)
+
+
+__all__ = ["SamplingParams"]
