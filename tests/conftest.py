@@ -8,6 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Tiny models gain nothing from intra-op threads, and one thread avoids OpenMP spin-wait stalls when
+# the two cores are shared with other processes.
+torch.set_num_threads(1)
+
 from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
                              SamplingParams, SpecEngine)
 

@@ -99,6 +99,19 @@ def seq_generators(seed: int, request_id: str) -> _SeqRng:
     return _SeqRng(draft=gen("draft"), verify=gen("verify"))
 
 
+def _padding_groups(chunks: list, slack: float = 1.25) -> list[list]:
+    """Split prefill chunks into padded batches that waste little: sorted by length, a group grows
+    while its padded size stays within `slack` x its real tokens (+ a small constant)."""
+    groups: list[list] = []
+    for chunk in sorted(chunks, key=lambda c: -c[1]):
+        group = groups[-1] if groups else None
+        if group and group[0][1] * (len(group) + 1) <= slack * (sum(n for _, n in group) + chunk[1]) + 16:
+            group.append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
+
+
 class SpecEngine:
     def __init__(self, target: ModelRunner, drafter=None, config: EngineConfig | None = None,
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None):
@@ -202,15 +215,20 @@ class SpecEngine:
         return sorted(times[1:])[len(times[1:]) // 2]
 
     def _admit_and_prefill(self) -> None:
+        """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
+        which is the first round's input) for the target and the draft model."""
         self.scheduler.admit()
-        draft_runner = getattr(self.drafter, "runner", None)
-        for seq, n in self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed):
-            start = seq.num_computed
-            self.target.forward([seq.slot], [start], [seq.prompt_ids[start:start + n]], logits="none")
-            seq.num_computed += n
-            if draft_runner is not None:
-                draft_runner.forward([seq.slot], [start], [seq.prompt_ids[start:start + n]], logits="none")
-                seq.num_draft_computed = seq.num_computed
+        chunks = self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed)
+        runners = [r for r in (self.target, getattr(self.drafter, "runner", None)) if r is not None]
+        for group in _padding_groups(chunks):
+            slots = [seq.slot for seq, _ in group]
+            starts = [seq.num_computed for seq, _ in group]
+            tokens = [seq.prompt_ids[start:start + n] for (seq, n), start in zip(group, starts)]
+            for runner in runners:
+                runner.forward(slots, starts, tokens, logits="none")
+            for seq, n in group:
+                seq.num_computed += n
+                seq.num_draft_computed = seq.num_computed if len(runners) > 1 else 0
         for seq in list(self.scheduler.prefilling):
             if seq.num_computed == len(seq.prompt_ids) - 1:
                 self.scheduler.promote(seq)

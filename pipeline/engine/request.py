@@ -89,7 +89,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)          # identity: the scheduler removes sequences from lists
 class Sequence:
     request_id: str
     prompt_ids: list[int]

@@ -1,0 +1,136 @@
+"""Verifier exactness: chi-square goodness of fit of the emitted tokens against the exact processed
+target distribution, computed here independently (numpy) from the raw logits.
+
+Each case draws N = 200,000 independent rounds (g = 2 draft tokens each) in one batched call. For a
+correct verifier every p-value is uniform on [0, 1]; we fail below ALPHA = 1e-5, so each check has a
+1e-5 chance of a false failure (about 1e-4 over the whole file with fixed seeds, which also makes
+the outcome reproducible). The deliberately wrong verifier (resample from p instead of the residual)
+is off by several percent in these cases and gives p-values far below 1e-100.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from pipeline.engine.logits import RowParams, processed_probs
+from pipeline.engine.request import SamplingParams
+from pipeline.engine.verify import sample_from_probs, verify
+
+N, G, VOCAB, ALPHA = 200_000, 2, 8, 1e-5
+
+
+def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Independent implementation: temperature -> top-k -> top-p -> min-p -> normalise."""
+    z = logits.astype(np.float64) / p.temperature
+    keep = np.ones_like(z, dtype=bool)
+    if p.top_k:
+        keep &= z >= np.sort(z)[::-1][p.top_k - 1]
+    probs = np.where(keep, np.exp(z - z.max()), 0.0)
+    probs /= probs.sum()
+    if p.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        drop = np.zeros_like(keep)
+        drop[order] = before >= p.top_p
+        probs = np.where(drop, 0.0, probs)
+        probs /= probs.sum()
+    if p.min_p > 0:
+        probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
+    return probs
+
+
+def chi2_pvalue(samples: np.ndarray, expected_probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(expected_probs)).astype(float)
+    support = expected_probs > 0
+    assert counts[~support].sum() == 0, "emitted a token the target gives zero probability"
+    expected = expected_probs[support] * len(samples)
+    return float(stats.chisquare(counts[support], expected).pvalue)
+
+
+def wrong_verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u, is_onehot=None):
+    """Rejection with min(1, p/q) but then resampling from p instead of norm([p - q]+)."""
+    out = verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u, is_onehot)
+    rejected = out.num_accepted < (cu[1:] - cu[:-1])
+    rows = cu[:-1] + torch.arange(len(cu) - 1) + out.num_accepted
+    resampled = sample_from_probs(target_probs[rows], smp_u)
+    idx = torch.arange(len(cu) - 1)
+    out.output_ids[idx[rejected], out.num_accepted[rejected]] = resampled[rejected]
+    return out
+
+
+CASES = {
+    "probabilistic-q": (SamplingParams(temperature=1.0), "probabilistic"),
+    "onehot-q": (SamplingParams(temperature=1.0), "onehot"),
+    "filters-probabilistic": (SamplingParams(temperature=0.7, top_k=6, top_p=0.9, min_p=0.05), "probabilistic"),
+    "filters-onehot": (SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.02), "onehot"),
+}
+
+
+def run_case(params: SamplingParams, q_kind: str, verify_fn, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(G + 1, VOCAB, generator=gen) * 1.5      # p_1..p_{g+1}
+    draft_logits = target_logits[:G] + torch.randn(G, VOCAB, generator=gen)   # a q close to p
+    rp = RowParams.from_params([params] * (G + 1), "cpu")
+    p = processed_probs(target_logits, rp)                               # [g+1, vocab]
+    q = processed_probs(draft_logits, RowParams.from_params([params] * G, "cpu"))
+    if q_kind == "probabilistic":
+        drafts = torch.stack([sample_from_probs(q[i].expand(N, VOCAB), torch.rand(N, generator=gen))
+                              for i in range(G)], dim=1)                 # [N, g]
+        draft_probs = q.repeat(N, 1)                                     # [N * g, vocab]
+    else:   # token-only draft: the draft's top choice at each position, q one-hot
+        drafts = q.argmax(dim=-1).expand(N, G)
+        draft_probs = None
+    cu = torch.arange(0, N * G + 1, G)
+    out = verify_fn(drafts.reshape(-1), cu, p.repeat(N, 1), draft_probs, torch.zeros(N, dtype=torch.bool),
+                    torch.rand(N * G, generator=gen), torch.rand(N, generator=gen))
+    expected = [reference_probs(target_logits[i].numpy(), params) for i in range(G + 1)]
+    return out, expected
+
+
+def pvalues(out, expected) -> dict[str, float]:
+    first = out.output_ids[:, 0].numpy()
+    all_acc = (out.num_accepted == G).numpy()
+    second = out.output_ids[out.num_accepted >= 1, 1].numpy()
+    bonus = out.output_ids[torch.from_numpy(all_acc), G].numpy()
+    return {"first": chi2_pvalue(first, expected[0]),
+            "second|first accepted": chi2_pvalue(second, expected[1]),
+            "bonus": chi2_pvalue(bonus, expected[G])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_verifier_matches_target(case):
+    params, q_kind = CASES[case]
+    out, expected = run_case(params, q_kind, verify)
+    for name, pv in pvalues(out, expected).items():
+        assert pv > ALPHA, f"{case}/{name}: p-value {pv:.2e}"
+    rate = out.num_accepted.float().mean().item()
+    assert 0 < rate < G, "the case must exercise both acceptance and rejection"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["probabilistic-q", "onehot-q", "filters-probabilistic"])
+def test_wrong_verifier_is_rejected(case):
+    params, q_kind = CASES[case]
+    out, expected = run_case(params, q_kind, wrong_verify)
+    assert pvalues(out, expected)["first"] < ALPHA
+
+
+def test_processed_probs_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen) * 2
+    params = [SamplingParams(temperature=0.5, top_k=10), SamplingParams(top_p=0.7),
+              SamplingParams(temperature=2.0, min_p=0.1), SamplingParams(temperature=0.9, top_k=20, top_p=0.5)]
+    got = processed_probs(logits, RowParams.from_params(params, "cpu")).double().numpy()
+    for r, p in enumerate(params):
+        np.testing.assert_allclose(got[r], reference_probs(logits[r].numpy(), p), atol=1e-6)
+
+
+def test_greedy_rows_are_onehot_on_penalised_argmax():
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    rp = RowParams.from_params([params], "cpu")
+    out_counts = torch.tensor([[0.0, 1.0, 0.0, 0.0]])      # token 1 already generated -> 3.0 / 2 = 1.5
+    probs = processed_probs(logits, rp, out_counts, torch.zeros_like(out_counts))
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]
