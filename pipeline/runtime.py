@@ -1,0 +1,62 @@
+"""Assemble an engine from config: load target (+ draft) and tokenizer, build the drafter.
+
+This is the one place that knows both the config tree and the engine's constructors; the engine
+itself knows nothing about configs, files or tokenisers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import EngineSection, ModelsConfig
+from .engine import (DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine)
+from .models import ModelSpec, check_vocab_compatible, load_model, model_id, reject_unsupported
+
+
+@dataclass
+class LoadedEngine:
+    engine: SpecEngine
+    tokenizer: object
+    target_id: str
+    draft_id: str | None
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config (may be a list) and the tokenizer."""
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    ids.add(getattr(tokenizer, "eos_token_id", None))
+    return sorted(i for i in ids if i is not None)
+
+
+def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngine:
+    spec = ModelSpec(models.target, models.dtype, models.device, models.trust_remote_code)
+    target, tokenizer = load_model(spec)
+    reject_unsupported(target.config, engine_cfg.max_model_len)
+    slots, max_len = engine_cfg.max_num_seqs, engine_cfg.max_model_len
+    drafter, draft_id = None, None
+    if models.drafter in ("draft", "hybrid"):
+        dspec = ModelSpec(models.draft, models.dtype, models.device, models.trust_remote_code)
+        draft, draft_tok = load_model(dspec)
+        check_vocab_compatible(target, draft, tokenizer, draft_tok)
+        reject_unsupported(draft.config, max_len)
+        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len), models.draft_sample_method)
+        draft_id = model_id(dspec)
+    if models.drafter in ("ngram", "hybrid"):
+        ngram = NgramDrafter(models.ngram_min, models.ngram_max, device=models.device)
+        drafter = HybridDrafter(ngram, drafter) if drafter is not None else ngram
+    engine = SpecEngine(ModelRunner(target, slots, max_len), drafter, engine_cfg.to_engine_config(),
+                        eos_token_ids=eos_ids(target, tokenizer),
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id)
+
+
+def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat prompt: the tokenizer's chat template (with the generation prompt) when it
+    has one, else the plain encoding."""
+    if messages is None:
+        messages = [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer.encode("\n".join(m["content"] for m in messages))
