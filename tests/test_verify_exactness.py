@@ -134,3 +134,21 @@ def test_greedy_rows_are_onehot_on_penalised_argmax():
     out_counts = torch.tensor([[0.0, 1.0, 0.0, 0.0]])      # token 1 already generated -> 3.0 / 2 = 1.5
     probs = processed_probs(logits, rp, out_counts, torch.zeros_like(out_counts))
     assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_greedy_fast_path_equals_general_verifier():
+    """verify_greedy (argmax only) must agree with verify's greedy rule on a ragged batch."""
+    from pipeline.engine.verify import verify_greedy
+    gen = torch.Generator().manual_seed(9)
+    num_draft = torch.tensor([0, 3, 1, 4, 2])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), num_draft.cumsum(0)])
+    p = torch.randn(int(cu[-1]) + len(num_draft), 6, generator=gen).softmax(-1)
+    target_argmax = p.argmax(-1)
+    _, _, target_row = __import__("pipeline.engine.verify", fromlist=["_flat_index"])._flat_index(cu)
+    # drafts agree with the target's argmax about half the time
+    drafts = torch.where(torch.rand(int(cu[-1]), generator=gen) < 0.6, target_argmax[target_row],
+                         torch.randint(0, 6, (int(cu[-1]),), generator=gen))
+    fast = verify_greedy(drafts, cu, target_argmax)
+    slow = verify(drafts, cu, p, None, torch.ones(5, dtype=torch.bool), torch.rand(int(cu[-1])), torch.rand(5))
+    assert torch.equal(fast.output_ids, slow.output_ids) and torch.equal(fast.num_accepted, slow.num_accepted)
+    assert 0 < int(fast.num_accepted.sum()) < int(num_draft.sum())

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .logits import RowParams, processed_probs, token_counts
+from .logits import RowParams, greedy_tokens, processed_probs, token_counts
 from .request import Sequence
 from .runner import ModelRunner
 from .verify import sample_from_probs
@@ -49,11 +49,13 @@ def penalty_counts(seqs: list[Sequence], extra: list[list[int]], vocab: int, dev
     return token_counts(outputs, vocab, device), token_counts([s.prompt_ids for s in seqs], vocab, device)
 
 
-def row_probs(logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
-    """Processed distributions for rows (seqs[r] with candidate suffix extra[r]): [rows, vocab]."""
+def row_probs(logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
+              argmax_only: bool = False) -> torch.Tensor:
+    """Processed distributions for rows (seqs[r] with candidate suffix extra[r]): [rows, vocab];
+    with argmax_only, just their greedy choice: [rows]."""
     rp = RowParams.from_params([s.params for s in seqs], logits.device)
     counts = penalty_counts(seqs, extra, logits.shape[-1], logits.device) if rp.has_penalties else (None, None)
-    return processed_probs(logits, rp, *counts)
+    return (greedy_tokens if argmax_only else processed_probs)(logits, rp, *counts)
 
 
 class NoDrafter:
@@ -109,19 +111,21 @@ class DraftModelDrafter:
         self.uniform = uniform      # per-sequence uniform draw, set by the engine (the seq's draft generator)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> DraftBatch:
+        # Token only (one-hot q, never stored) for the greedy method or an all-greedy batch.
+        token_only = self.sample_method == "greedy" or all(s.params.is_greedy for s in seqs)
         proposals: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(num_draft, default=0)):
             active = [b for b, g in enumerate(num_draft) if g > step]
             self._draft_step([seqs[b] for b in active], [proposals[b] for b in active],
-                             [probs[b] for b in active])
-        keep = self.sample_method == "probabilistic" and any(probs)
-        flat_probs = torch.cat([torch.stack(p) for p in probs if p]) if keep else None
+                             [probs[b] for b in active], token_only)
+        flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
         return DraftBatch.from_lists(proposals, self.runner.device, flat_probs, None)
 
-    def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list]) -> None:
+    def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list],
+                    token_only: bool) -> None:
         """One draft forward for these sequences: catch up on committed tokens the draft has no KV for
-        (first step of a round) or feed the previous draft token; sample the next one."""
+        (first step of a round) or feed the previous draft token; propose the next one."""
         slots, starts, inputs = [], [], []
         for seq, prop in zip(seqs, proposals):
             history = seq.all_ids() + prop[:-1]            # tokens the draft must have KV for
@@ -130,15 +134,15 @@ class DraftModelDrafter:
             inputs.append(history[seq.num_draft_computed:] + prop[-1:])
             seq.num_draft_computed = len(history) + (1 if prop else 0)
         logits = self.runner.forward(slots, starts, inputs, logits="last")   # [rows, vocab]
-        q = row_probs(logits, seqs, proposals)
-        if self.sample_method == "greedy":
-            tokens = q.argmax(dim=-1)
+        if token_only:
+            tokens = row_probs(logits, seqs, proposals, argmax_only=True)
         else:
-            u = torch.tensor([self.uniform(s) for s in seqs], device=q.device)
-            tokens = sample_from_probs(q, u)
+            q = row_probs(logits, seqs, proposals)                           # [rows, vocab]
+            tokens = sample_from_probs(q, torch.tensor([self.uniform(s) for s in seqs], device=q.device))
+            for b in range(len(seqs)):
+                probs[b].append(q[b])
         for b, tok in enumerate(tokens.tolist()):
             proposals[b].append(tok)
-            probs[b].append(q[b])
 
 
 class HybridDrafter:

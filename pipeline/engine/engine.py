@@ -27,7 +27,7 @@ from .drafters import DraftBatch, NoDrafter, row_probs
 from .request import RequestError, SamplingParams, Sequence
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .verify import verify
+from .verify import verify, verify_greedy
 
 
 @dataclass
@@ -57,6 +57,7 @@ class RoundRecord:
     batch_size: int                  # running sequences in this step
     draft_s: float                   # the step's draft phase, seconds
     verify_s: float                  # the step's verify phase (target forward + verification)
+    step: int = 0                    # engine step index (rounds of one step share it)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class SpecEngine:
         self.policy = AdaptiveDraftLength(self.config.num_speculative_tokens, self.costs,
                                           draft_is_free=self.drafter.runner is None)
         self._ids: set[str] = set()
+        self.num_steps = 0               # decoding steps (rounds) run
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -184,7 +186,9 @@ class SpecEngine:
         t2 = time.perf_counter()
         self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=t1 - t0,
                            target_tokens=target_rows, verify_s=t2 - t1, draft_steps=max(drafts.num_draft))
-        return self._commit(batch, drafts, out, t1 - t0, t2 - t1)
+        result = self._commit(batch, drafts, out, t1 - t0, t2 - t1)
+        self.num_steps += 1
+        return result
 
     def calibrate(self, repeats: int = 3) -> None:
         """Measure the target's forward time per number of tokens and the draft's per number of rows
@@ -249,6 +253,9 @@ class SpecEngine:
             s.num_computed += len(toks)
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
+        if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
+            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft,
+                                 row_probs(logits, row_seqs, prefixes, argmax_only=True)), len(prefixes)
         p = row_probs(logits, row_seqs, prefixes)                        # [num_draft + num_seqs, vocab]
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
         is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
@@ -282,7 +289,8 @@ class SpecEngine:
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens - 1)
             self.policy.update(seq, g, k)
             result.rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted,
-                                             is_accepted[cu[b]:cu[b + 1]], len(batch), draft_s, verify_s))
+                                             is_accepted[cu[b]:cu[b + 1]], len(batch), draft_s, verify_s,
+                                             self.num_steps))
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k

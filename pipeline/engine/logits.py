@@ -94,6 +94,15 @@ def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
+                  prompt_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] argmax of the penalised logits: what greedy rows of processed_probs are one-hot on."""
+    logits = logits.float()
+    if rp.has_penalties:
+        logits = apply_penalties(logits, rp, output_counts, prompt_counts)
+    return logits.argmax(dim=-1)
+
+
 def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
                     prompt_counts: torch.Tensor | None = None) -> torch.Tensor:
     """logits [rows, vocab] (any float dtype) -> probabilities [rows, vocab] float32."""

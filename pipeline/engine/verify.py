@@ -48,14 +48,11 @@ def _flat_index(cu_num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 def first_rejections(is_accepted: torch.Tensor, cu_num_draft: torch.Tensor) -> torch.Tensor:
     """Per sequence, the number of leading accepted draft tokens. is_accepted [num_draft_tokens]."""
-    num_seqs = len(cu_num_draft) - 1
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
     seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft)
     # Rejected positions (or g for none): the first one is the accepted prefix length.
     reject_pos = torch.where(is_accepted, num_draft[seq_of_row], pos_in_seq)
-    num_accepted = num_draft.clone()
-    return num_accepted.scatter_reduce_(0, seq_of_row, reject_pos, reduce="amin", include_self=True) \
-        if num_seqs else num_accepted
+    return num_draft.clone().scatter_reduce_(0, seq_of_row, reject_pos, reduce="amin", include_self=True)
 
 
 def verify(
@@ -102,6 +99,26 @@ def verify(
         final_dist[rej_seq] = torch.where(empty.unsqueeze(1), final_p[rej_seq], residual)
     final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), sample_from_probs(final_dist, sample_uniforms))
 
+    output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
+    acc_rows = is_accepted.nonzero().squeeze(1)
+    output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]
+    output_ids[torch.arange(num_seqs, device=device), num_accepted] = final_tok
+    return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted)
+
+
+def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor,
+                  target_argmax: torch.Tensor) -> VerifyOutput:
+    """The greedy rule alone, from the target's argmax per row ([num_draft_tokens + num_seqs]):
+    the same result as `verify` with all-greedy sequences, without touching vocabulary-sized rows."""
+    device = target_argmax.device
+    num_seqs = len(cu_num_draft) - 1
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
+    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
+    is_accepted = draft_ids == target_argmax[target_row]
+    num_accepted = first_rejections(is_accepted, cu_num_draft)
+    is_accepted &= pos_in_seq < num_accepted[seq_of_row]
+    final_tok = target_argmax[cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted]
+    max_draft = int(num_draft.max()) if num_seqs else 0
     output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
     acc_rows = is_accepted.nonzero().squeeze(1)
     output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]

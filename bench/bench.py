@@ -1,0 +1,185 @@
+"""The benchmark: every configuration side by side, same machine, same prompts, one invocation.
+
+    .venv/bin/python -m bench.bench --model smollm2 --repeats 3 --out bench/out/smollm2.json
+
+Each configuration runs in its own process (bench/run_one.py, or bench/vllm_runner.py inside
+bench/.venv-vllm for vLLM's CPU build), one after another, `--repeats` times, interleaved so that
+drift hits every configuration alike. Reported: median tokens/s with min-max spread, acceptance,
+tokens per round, peak RSS, the fraction of outputs identical to our engine without a draft, and the
+speedup our cost model predicts from the measured acceptance and the calibrated draft and verify
+costs (see bench/RESULTS.md for the model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
+
+
+def suite(model: str, n_all: int, n_b1: int) -> list[dict]:
+    """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group."""
+    spec = "ngram" if model == "smollm2" else "draft"
+    eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch), *extra]
+    configs = [
+        # all prompts at once
+        {"name": "hf_static_b16", "n": n_all, "args": ["--mode", "hf-static", "--batch", "16"]},
+        {"name": "ours_none_all", "n": n_all, "args": eng("none", 32, "--calibrate"), "ref": True},
+        {"name": f"ours_{spec}_all", "n": n_all, "args": eng(spec, 32, "--calibrate"), "base": "ours_none_all"},
+        {"name": f"ours_adaptive_{spec}_all", "n": n_all, "args": eng(spec, 32, "--adaptive"),
+         "base": "ours_none_all"},
+        # batch 1
+        {"name": "hf_plain_b1", "n": n_b1, "args": ["--mode", "hf-plain"]},
+        {"name": "hf_lookup_b1" if spec == "ngram" else "hf_assisted_b1", "n": n_b1,
+         "args": ["--mode", "hf-lookup" if spec == "ngram" else "hf-assisted"], "base": "hf_plain_b1"},
+        {"name": "ours_none_b1", "n": n_b1, "args": eng("none", 1, "--calibrate"), "ref": True},
+        {"name": f"ours_{spec}_b1", "n": n_b1, "args": eng(spec, 1, "--calibrate"), "base": "ours_none_b1"},
+        {"name": f"ours_adaptive_{spec}_b1", "n": n_b1, "args": eng(spec, 1, "--adaptive"), "base": "ours_none_b1"},
+    ]
+    for batch in (4, 16):   # adaptive must never lose more than 5% to no speculation, at any batch size
+        configs += [{"name": f"ours_none_b{batch}", "n": n_all, "args": eng("none", batch), "ref": True},
+                    {"name": f"ours_adaptive_{spec}_b{batch}", "n": n_all, "args": eng(spec, batch, "--adaptive"),
+                     "base": f"ours_none_b{batch}"}]
+    if VLLM_PY.exists() and spec == "ngram":
+        configs += [{"name": "vllm_plain_all", "n": n_all, "vllm": ["--mode", "plain", "--batch", "all"]},
+                    {"name": "vllm_ngram_all", "n": n_all, "vllm": ["--mode", "ngram", "--batch", "all"],
+                     "base": "vllm_plain_all"},
+                    {"name": "vllm_plain_b1", "n": n_b1, "vllm": ["--mode", "plain", "--batch", "1"]},
+                    {"name": "vllm_ngram_b1", "n": n_b1, "vllm": ["--mode", "ngram", "--batch", "1"],
+                     "base": "vllm_plain_b1"}]
+    return configs
+
+
+def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: list[str]) -> dict:
+    if "vllm" in cfg:
+        from pipeline.models import resolve_hf_dir
+        target = {"smollm2": "smollm2-135m-instruct"}[model]
+        cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir", str(resolve_hf_dir(target)),
+               "--prompts-json", str(prompts_file), "--max-tokens", common[common.index("--max-tokens") + 1],
+               "--out", str(out), *cfg["vllm"]]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    else:
+        cmd = [sys.executable, "-m", "bench.run_one", "--model", model, "--prompts", str(prompts_file),
+               "--out", str(out), *common, *cfg["args"]]
+        env = dict(os.environ)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-3000:], "cmd": " ".join(cmd)}
+    res = json.load(open(out))
+    res["process_s"] = time.time() - t0
+    return res
+
+
+def predicted_speedup(spec: dict, base: dict) -> float | None:
+    """Our cost model: time = sum over steps of V(target tokens) + draft steps x D(batch) (n-gram:
+    its measured lookup time), with V, D the calibrated curves of the speculative run's process."""
+    from pipeline.engine.adaptive import CostModel
+    if not spec.get("verify_curve") or not spec.get("steps") or not base.get("steps"):
+        return None
+    cm = CostModel()
+    cm.verify_curve = [tuple(p) for p in spec["verify_curve"]]
+    cm.draft_curve = [tuple(p) for p in spec.get("draft_curve") or []]
+    t_spec = sum(cm.verify_cost(s[1]) + (s[2] * cm.draft_cost(s[0]) if cm.draft_curve else s[3])
+                 for s in spec["steps"])
+    t_base = sum(cm.verify_cost(s[1]) for s in base["steps"])
+    return (t_base / base["total_new_tokens"]) / (t_spec / spec["total_new_tokens"])
+
+
+def summarise(configs: list[dict], runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for cfg in configs:
+        ok = [r for r in runs[cfg["name"]] if "error" not in r]
+        if not ok:
+            rows.append({"name": cfg["name"], "error": runs[cfg["name"]][0].get("error", "")[-500:]})
+            continue
+        tps = [r["tokens_per_s"] for r in ok]
+        med = ok[sorted(range(len(ok)), key=lambda i: tps[i])[len(ok) // 2]]
+        row = {"name": cfg["name"], "n": cfg["n"], "tok_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+               "acceptance": med.get("acceptance_rate"), "tokens_per_round": med.get("mean_tokens_per_round"),
+               "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in ok), "runs": len(ok), "_med": med}
+        rows.append(row)
+    by_name = {r["name"]: r for r in rows}
+    for cfg, row in zip(configs, rows):
+        if "error" in row:
+            continue
+        ref_name = _reference(cfg, by_name)
+        if ref_name and "_med" in by_name.get(ref_name, {}):
+            ref_out = by_name[ref_name]["_med"].get("outputs")
+            outs = row["_med"].get("outputs")
+            if ref_out and outs:
+                row["identical_to_ours_none"] = sum(a == b for a, b in zip(outs, ref_out)) / len(ref_out)
+        if cfg.get("base") and "_med" in by_name.get(cfg["base"], {}):
+            row["speedup"] = row["tok_s"] / by_name[cfg["base"]]["tok_s"]
+            pred = predicted_speedup(row["_med"], by_name[cfg["base"]]["_med"])
+            if pred:
+                row["predicted_speedup"] = pred
+                row["measured_over_predicted"] = row["speedup"] / pred
+    return rows
+
+
+def _reference(cfg: dict, by_name: dict) -> str | None:
+    """Outputs are compared with our no-draft engine on the same prompt set."""
+    return "ours_none_all" if cfg["n"] == by_name.get("ours_none_all", {}).get("n") else "ours_none_b1"
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| config | prompts | tok/s median [min-max] | acceptance | tokens/round | peak RSS MB | "
+            "identical to ours_none | speedup vs base | predicted | measured/predicted |\n|" + "---|" * 10)
+    lines = [head]
+    fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][-120:]!r} |" + " |" * 8)
+            continue
+        lines.append(f"| {r['name']} | {r['n']} | {r['tok_s']:.1f} [{r['min']:.1f}-{r['max']:.1f}] | "
+                     f"{fmt(r['acceptance'])} | {fmt(r['tokens_per_round'])} | {r['peak_rss_mb']:.0f} | "
+                     f"{fmt(r.get('identical_to_ours_none'), '{:.0%}')} | {fmt(r.get('speedup'))} | "
+                     f"{fmt(r.get('predicted_speedup'))} | {fmt(r.get('measured_over_predicted'), '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen"])
+    ap.add_argument("--prompts", required=True, help="JSON list of token-id lists (chat template applied)")
+    ap.add_argument("--n-all", type=int, default=64)
+    ap.add_argument("--n-b1", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", nargs="*", help="run only these config names")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    prompts = json.load(open(args.prompts))
+    workdir = Path(args.out).with_suffix("")
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for n in {args.n_all, args.n_b1}:
+        files[n] = workdir / f"prompts_{n}.json"
+        json.dump(prompts[:n], open(files[n], "w"))
+    configs = [c for c in suite(args.model, args.n_all, args.n_b1) if not args.only or c["name"] in args.only]
+    common = ["--max-tokens", str(args.max_tokens)]
+    runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
+    for rep in range(args.repeats):
+        for cfg in configs:
+            res = run_config(cfg, args.model, files[cfg["n"]], workdir / f"{cfg['name']}_{rep}.json", common)
+            runs[cfg["name"]].append(res)
+            print(f"[{rep}] {cfg['name']}: " + (f"{res['tokens_per_s']:.1f} tok/s" if "error" not in res
+                                                 else "FAILED " + res["error"][-300:]), flush=True)
+    rows = summarise(configs, runs)
+    table = markdown(rows)
+    print(table)
+    json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "_med"} for r in rows]},
+              open(args.out, "w"), indent=1)
+    Path(args.out).with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

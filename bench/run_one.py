@@ -1,0 +1,124 @@
+"""One benchmark configuration in a fresh process (so peak RSS is its own), printed as JSON.
+
+    python -m bench.run_one --model smollm2 --mode engine --drafter ngram --batch 32 --prompts P.json --out R.json
+
+Modes: engine (ours; --drafter none|ngram|draft|hybrid, --adaptive, --batch = max_num_seqs with every
+prompt queued at once), hf-static (HF generate, static batches of --batch), hf-plain (HF batch 1),
+hf-assisted (HF assisted generation with the draft model, batch 1), hf-lookup (HF prompt lookup,
+batch 1). Each run warms up on two short prompts outside the clock.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from bench import hf_baselines
+from pipeline.config import EngineSection, ModelsConfig
+from pipeline.engine import SamplingParams
+from pipeline.models import ModelSpec, load_model
+from pipeline.runtime import build_engine
+
+MODELS = {   # name -> (target, draft)
+    "smollm2": ("smollm2-135m-instruct", None),
+    "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_engine(args, prompts: list[list[int]]) -> dict:
+    target, draft = MODELS[args.model]
+    drafter = args.drafter
+    models = ModelsConfig(target=target, draft=draft if drafter in ("draft", "hybrid") else None,
+                          drafter=drafter, dtype=args.dtype, device=args.device,
+                          draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 8
+    section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
+                            adaptive=args.adaptive, max_prefill_tokens=2048)
+    engine = build_engine(models, section).engine
+    if args.calibrate or args.adaptive:
+        engine.calibrate()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
+    t0 = time.perf_counter()
+    done, rounds = _drain(engine, prompts, params, "p")
+    wall = time.perf_counter() - t0
+    outputs = [done[f"p{i}"].output_ids for i in range(len(prompts))]
+    drafted = sum(r.draft_len for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    steps = {}
+    for r in rounds:    # per step: batch size, target tokens, draft steps (for the cost model)
+        s = steps.setdefault(r.step, [r.batch_size, 0, 0, r.draft_s, r.verify_s])
+        s[1] += r.draft_len + 1
+        s[2] = max(s[2], r.draft_len)
+    new_tokens = sum(len(o) for o in outputs)
+    return {"tokens_per_s": new_tokens / wall, "total_new_tokens": new_tokens, "wall_s": wall,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_tokens_per_round": new_tokens / len(rounds), "num_rounds": len(rounds),
+            "draft_s": sum(s[3] for s in steps.values()), "verify_s": sum(s[4] for s in steps.values()),
+            "steps": list(steps.values()), "outputs": outputs,
+            "verify_curve": engine.costs.verify_curve, "draft_curve": engine.costs.draft_curve}
+
+
+def _drain(engine, prompts, params, prefix):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    done, rounds = {}, []
+    while engine.has_unfinished():
+        out = engine.step()
+        rounds.extend(out.rounds)
+        done.update({c.request_id: c for c in out.finished})
+    return done, rounds
+
+
+def run_hf(args, prompts: list[list[int]]) -> dict:
+    target, draft = MODELS[args.model]
+    model, tok = load_model(ModelSpec(target, args.dtype, args.device))
+    if args.mode == "hf-static":
+        res = hf_baselines.hf_static_batch(model, tok, prompts, args.max_tokens, batch_size=args.batch)
+    elif args.mode == "hf-plain":
+        res = hf_baselines.hf_plain_batch1(model, tok, prompts, args.max_tokens)
+    elif args.mode == "hf-lookup":
+        res = hf_baselines.hf_prompt_lookup(model, tok, prompts, args.max_tokens, num_tokens=args.g)
+    else:
+        draft_model, _ = load_model(ModelSpec(draft, args.dtype, args.device))
+        res = hf_baselines.hf_assisted(model, draft_model, tok, prompts, args.max_tokens)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
+    ap.add_argument("--mode", choices=["engine", "hf-static", "hf-plain", "hf-assisted", "hf-lookup"])
+    ap.add_argument("--drafter", default="none", choices=["none", "ngram", "draft", "hybrid"])
+    ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--calibrate", action="store_true", help="measure cost curves (for the speedup model)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--g", type=int, default=4)
+    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = json.load(open(args.prompts))
+    res = run_engine(args, prompts) if args.mode == "engine" else run_hf(args, prompts)
+    res.update({"mode": args.mode, "drafter": args.drafter, "adaptive": args.adaptive, "batch": args.batch,
+                "model": args.model, "dtype": args.dtype, "num_prompts": len(prompts),
+                "peak_rss_mb": peak_rss_mb()})
+    with open(args.out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
