@@ -39,6 +39,11 @@ class DraftBatch:
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
         return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs, is_onehot)
 
+    def to(self, device) -> "DraftBatch":
+        move = lambda t: None if t is None else t.to(device)
+        return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
+                          move(self.is_onehot))
+
     def tokens(self, b: int) -> list[int]:
         return self.draft_ids[int(self.cu_num_draft[b]):int(self.cu_num_draft[b + 1])].tolist()
 

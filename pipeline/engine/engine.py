@@ -178,7 +178,7 @@ class SpecEngine:
         if not batch:
             return StepOutput()
         t0 = time.perf_counter()
-        drafts = self.drafter.propose(batch, self._draft_lengths(batch))
+        drafts = self.drafter.propose(batch, self._draft_lengths(batch)).to(self.target.device)
         _sync(self.target.device)
         t1 = time.perf_counter()
         out, target_rows = self._verify(batch, drafts)
