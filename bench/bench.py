@@ -47,28 +47,38 @@ def suite(model: str, n_all: int, n_b1: int) -> list[dict]:
         configs += [{"name": f"ours_none_b{batch}", "n": n_all, "args": eng("none", batch), "ref": True},
                     {"name": f"ours_adaptive_{spec}_b{batch}", "n": n_all, "args": eng(spec, batch, "--adaptive"),
                      "base": f"ours_none_b{batch}"}]
-    if VLLM_PY.exists() and spec == "ngram":
-        configs += [{"name": "vllm_plain_all", "n": n_all, "vllm": ["--mode", "plain", "--batch", "all"]},
-                    {"name": "vllm_ngram_all", "n": n_all, "vllm": ["--mode", "ngram", "--batch", "all"],
-                     "base": "vllm_plain_all"},
-                    {"name": "vllm_plain_b1", "n": n_b1, "vllm": ["--mode", "plain", "--batch", "1"]},
-                    {"name": "vllm_ngram_b1", "n": n_b1, "vllm": ["--mode", "ngram", "--batch", "1"],
-                     "base": "vllm_plain_b1"}]
+    if VLLM_PY.exists() and spec == "ngram":    # one process per mode runs both batch settings, all repeats
+        for mode, base in (("plain", None), ("ngram", "plain")):
+            for batch, n in (("all", n_all), ("b1", n_b1)):
+                configs.append({"name": f"vllm_{mode}_{batch}", "n": n, "vllm": mode,
+                                **({"base": f"vllm_{base}_{batch}"} if base else {})})
     return configs
 
 
 def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: list[str]) -> dict:
-    if "vllm" in cfg:
-        from pipeline.models import resolve_hf_dir
-        target = {"smollm2": "smollm2-135m-instruct"}[model]
-        cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir", str(resolve_hf_dir(target)),
-               "--prompts-json", str(prompts_file), "--max-tokens", common[common.index("--max-tokens") + 1],
-               "--out", str(out), "--dtype", common[common.index("--dtype") + 1], *cfg["vllm"]]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    else:
-        cmd = [sys.executable, "-m", "bench.run_one", "--model", model, "--prompts", str(prompts_file),
-               "--out", str(out), *common, *cfg["args"]]
-        env = dict(os.environ)
+    cmd = [sys.executable, "-m", "bench.run_one", "--model", model, "--prompts", str(prompts_file),
+           "--out", str(out), *common, *cfg["args"]]
+    return _run(cmd, out, dict(os.environ))
+
+
+def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int, out: Path,
+             common: list[str]) -> dict[str, list[dict]]:
+    """vLLM's CPU build in its own venv: one load, batch all and batch 1, `repeats` times each."""
+    from pipeline.models import resolve_hf_dir
+    arg = lambda k: common[common.index(k) + 1]
+    cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
+           str(resolve_hf_dir({"smollm2": "smollm2-135m-instruct"}[model])), "--prompts-json", str(prompts_file),
+           "--max-tokens", arg("--max-tokens"), "--dtype", arg("--dtype"), "--mode", mode, "--batch", "all,1",
+           "--n-b1", str(n_b1), "--repeats", str(repeats), "--max-num-batched-tokens", "4096", "--out", str(out)]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    res = _run(cmd, out, env)
+    if "error" in res:
+        return {f"vllm_{mode}_{b}": [res] for b in ("all", "b1")}
+    return {f"vllm_{mode}_all": [r for r in res["runs"] if r["batch"] == "all"],
+            f"vllm_{mode}_b1": [r for r in res["runs"] if r["batch"] == "1"]}
+
+
+def _run(cmd: list[str], out: Path, env: dict) -> dict:
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -168,12 +178,19 @@ def main() -> None:
     configs = [c for c in suite(args.model, args.n_all, args.n_b1) if not args.only or c["name"] in args.only]
     common = ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
+    ours = [c for c in configs if "vllm" not in c]
     for rep in range(args.repeats):
-        for cfg in configs:
+        for cfg in ours:
             res = run_config(cfg, args.model, files[cfg["n"]], workdir / f"{cfg['name']}_{rep}.json", common)
             runs[cfg["name"]].append(res)
             print(f"[{rep}] {cfg['name']}: " + (f"{res['tokens_per_s']:.1f} tok/s" if "error" not in res
                                                  else "FAILED " + res["error"][-300:]), flush=True)
+    for mode in sorted({c["vllm"] for c in configs if "vllm" in c}):
+        got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, args.repeats,
+                       workdir / f"vllm_{mode}.json", common)
+        runs.update({k: v for k, v in got.items() if k in runs})
+        print(f"vllm {mode}: " + ", ".join(f"{k} {[round(r.get('tokens_per_s', 0), 1) for r in v]}"
+                                           for k, v in got.items()), flush=True)
     rows = summarise(configs, runs)
     table = markdown(rows)
     print(table)

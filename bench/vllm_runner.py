@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngram-k", type=int, default=4, help="draft tokens per step (n-gram mode)")
     p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min (n-gram mode)")
     p.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (n-gram mode)")
-    p.add_argument("--batch", choices=["all", "1"], default="all",
+    p.add_argument("--n-b1", type=int, default=8, help="prompts for the batch-1 runs (a prefix)")
+    p.add_argument("--repeats", type=int, default=1, help="timed repeats in this process (one load)")
+    p.add_argument("--batch", choices=["all", "1", "all,1"], default="all",
                    help="all: one generate call with every prompt; 1: one call per prompt")
     p.add_argument("--threads", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (cores to bind)")
     p.add_argument("--kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
@@ -128,22 +130,28 @@ def run(args: argparse.Namespace) -> dict:
     warmup_s = time.perf_counter() - t0
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=False)
+    runs = []
+    for batch in args.batch.split(","):
+        for rep in range(args.repeats):
+            runs.append(timed_run(llm, prompts if batch == "all" else prompts[:args.n_b1], params, batch, args))
+            runs[-1].update({"repeat": rep, "load_s": load_s, "warmup_s": warmup_s,
+                             "vllm_version": vllm.__version__})
+    return {"runs": runs, **runs[0]}
+
+
+def timed_run(llm, prompts, params, batch: str, args) -> dict:
     before = spec_counters(llm)
     t0 = time.perf_counter()
-    outs = generate(llm, prompts, params, args.batch)
+    outs = generate(llm, prompts, params, batch)
     wall_s = time.perf_counter() - t0
     spec = spec_summary(before, spec_counters(llm)) if args.mode == "ngram" else None
-
-    rss_mb = process_tree_rss_mb()
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     total = sum(len(o) for o in outputs)
-    return {"name": f"vllm_{args.mode}_b{args.batch}", "vllm_version": vllm.__version__,
-            "mode": args.mode, "batch": args.batch, "num_prompts": len(prompts),
+    return {"name": f"vllm_{args.mode}_b{batch}", "mode": args.mode, "batch": batch, "num_prompts": len(prompts),
             "max_tokens": args.max_tokens, "total_prompt_tokens": sum(len(p) for p in prompts),
-            "total_new_tokens": total, "wall_s": wall_s,
-            "tokens_per_s": total / wall_s, "load_s": load_s, "warmup_s": warmup_s, "spec": spec,
+            "total_new_tokens": total, "wall_s": wall_s, "tokens_per_s": total / wall_s, "spec": spec,
             "acceptance_rate": spec and spec["acceptance_rate"],
-            "mean_tokens_per_round": spec and spec["mean_acceptance_length"], "peak_rss_mb": rss_mb,
+            "mean_tokens_per_round": spec and spec["mean_acceptance_length"], "peak_rss_mb": process_tree_rss_mb(),
             "finish_reasons": [o.outputs[0].finish_reason for o in outs], "outputs": outputs}
 
 
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
-    brief = {k: v for k, v in result.items() if k not in ("outputs", "finish_reasons")}
+    brief = {k: v for k, v in result.items() if k not in ("outputs", "finish_reasons", "runs")}
     print(json.dumps(brief), file=sys.stderr)
     return 0
 
