@@ -192,28 +192,31 @@ class SpecEngine:
 
     def calibrate(self, repeats: int = 3) -> None:
         """Measure the target's forward time per number of tokens and the draft's per number of rows
-        (the adaptive policy's cost curves). Must run while no sequence holds a slot: it writes
-        scratch KV into the first slots."""
+        (the adaptive policy's cost curves), at a typical context length: attention reads grow with
+        it, and a curve measured at context 0 underprices extra query tokens. Must run while no
+        sequence holds a slot: it writes scratch KV into the first slots."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
-        slots = self.config.max_num_seqs
-        max_tokens = slots * (self.config.num_speculative_tokens + 1)
-        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
-        self.costs.verify_curve = [(t, self._time_forward(self.target, t, slots, repeats)) for t in sizes]
+        slots, g = self.config.max_num_seqs, self.config.num_speculative_tokens
+        context = min(self.config.max_model_len // 2, 384)
+        max_tokens = slots * (g + 1)
+        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {slots * (g + 1)})
+        self.costs.verify_curve = [(t, self._time_forward(self.target, t, slots, context, repeats)) for t in sizes]
         runner = getattr(self.drafter, "runner", None)
         if runner is not None:
             rows = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
-            self.costs.draft_curve = [(r, self._time_forward(runner, r, r, repeats)) for r in rows]
+            self.costs.draft_curve = [(r, self._time_forward(runner, r, r, context, repeats)) for r in rows]
 
     @staticmethod
-    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, repeats: int) -> float:
+    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int) -> float:
         rows = min(tokens, max_rows)
         per_row = -(-tokens // rows)
+        context = min(context, runner.cache.max_len - per_row)
         inputs = [[0] * per_row for _ in range(rows)]
         times = []
         for _ in range(repeats + 1):                       # first run is a warm-up
             t0 = time.perf_counter()
-            runner.forward(list(range(rows)), [0] * rows, inputs, logits="all").softmax(dim=-1)
+            runner.forward(list(range(rows)), [context] * rows, inputs, logits="all").softmax(dim=-1)
             _sync(runner.device)
             times.append(time.perf_counter() - t0)
         return sorted(times[1:])[len(times[1:]) // 2]
