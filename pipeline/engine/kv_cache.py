@@ -1,6 +1,6 @@
 """Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
 
-Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len + 1,
+Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len,
 head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
 KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft positions is only a
 smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
@@ -8,8 +8,9 @@ copied or re-padded per round.
 
 Hugging Face decoder models are routed through this store with transformers' documented extension
 points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
-function registered under ATTENTION_NAME that reads the per-sequence mask. The last column of each
-buffer is a scratch position that padded query tokens write to; no real query ever attends to it.
+function registered under ATTENTION_NAME that reads the per-sequence mask. Tokens travel packed
+([1, num_tokens]) through the model, so projections and MLPs never compute padding; only attention
+unpacks them into rows.
 
 This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
 (which slots, where each sequence starts, how many new tokens each has) before every forward.
@@ -30,17 +31,22 @@ ATTENTION_NAME = "specpipe_slot"
 
 @dataclass
 class StepLayout:
-    """Where one forward's padded [batch, max_q] tokens go in the slot store."""
+    """Where one forward's tokens go. The model sees them packed flat ([1, num_tokens]: no padding in
+    the projections and MLPs); attention unpacks them into padded [batch, max_q] rows."""
     slots: torch.Tensor        # [batch] int64 slot of each row
-    write_pos: torch.Tensor    # [batch, max_q] int64 cache position per token (scratch for padding)
     position_ids: torch.Tensor  # [batch, max_q] int64 RoPE positions (padding repeats the last real one)
     is_valid: torch.Tensor     # [batch, max_q] bool real token (not padding)
+    token_row: torch.Tensor    # [num_tokens] int64 row of each packed token
+    token_q: torch.Tensor      # [num_tokens] int64 index of each packed token within its row
     kv_len: int                # keys read per row: max over rows of start + num_new
     slot_range: tuple[int, int] | None  # (lo, hi) when slots == arange(lo, hi): read a view, not a gather
 
+    @property
+    def flat_position_ids(self) -> torch.Tensor:        # [1, num_tokens]
+        return self.position_ids[self.token_row, self.token_q].unsqueeze(0)
 
-def make_layout(slots: list[int], starts: list[int], num_new: list[int], scratch: int,
-                device: torch.device) -> StepLayout:
+
+def make_layout(slots: list[int], starts: list[int], num_new: list[int], device: torch.device) -> StepLayout:
     """Build the layout for rows with `num_new[b]` new tokens at positions starts[b]... in slots[b]."""
     max_q = max(num_new)
     starts_t = torch.tensor(starts, dtype=torch.long)
@@ -48,11 +54,12 @@ def make_layout(slots: list[int], starts: list[int], num_new: list[int], scratch
     q_idx = torch.arange(max_q).unsqueeze(0)                                   # [1, max_q]
     is_valid = q_idx < num_new_t.unsqueeze(1)                                  # [batch, max_q]
     position_ids = starts_t.unsqueeze(1) + torch.minimum(q_idx, (num_new_t - 1).unsqueeze(1))
-    write_pos = torch.where(is_valid, position_ids, torch.full_like(position_ids, scratch))
+    token_row, token_q = is_valid.nonzero(as_tuple=True)                       # row-major: packed order
     contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
     return StepLayout(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
-        write_pos=write_pos.to(device), position_ids=position_ids.to(device), is_valid=is_valid.to(device),
+        position_ids=position_ids.to(device), is_valid=is_valid.to(device),
+        token_row=token_row.to(device), token_q=token_q.to(device),
         kv_len=int((starts_t + num_new_t).max()),
         slot_range=(slots[0], slots[0] + len(slots)) if contiguous else None,
     )
@@ -79,11 +86,11 @@ class SlotKVCache(Cache):
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__(layers=[])
-        shape = (num_slots, num_kv_heads, max_len + 1, head_dim)
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
         # zeros, not empty: masked positions still enter the weighted sum (0 * NaN would be NaN)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_layers, self.max_len, self.scratch = num_layers, max_len, max_len
+        self.num_layers, self.max_len = num_layers, max_len
         self.layout: StepLayout | None = None
 
     # Attributes transformers' mask helpers read from any Cache.
@@ -107,13 +114,14 @@ class SlotKVCache(Cache):
         return 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write key/value [batch, kv_heads, max_q, head_dim] at the layout's positions; return the keys
-        and values each row attends to: [batch, kv_heads, kv_len, head_dim]."""
+        """Write packed key/value [1, kv_heads, num_tokens, head_dim] at each token's slot and position;
+        return the keys and values each row attends to: [batch, kv_heads, kv_len, head_dim]."""
         lay = self.layout
-        slot_bq = lay.slots.unsqueeze(1).expand_as(lay.write_pos)              # [batch, max_q]
+        slot_t = lay.slots[lay.token_row]                                      # [num_tokens]
+        pos_t = lay.position_ids[lay.token_row, lay.token_q]                   # [num_tokens]
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        k_buf[slot_bq, :, lay.write_pos] = key_states.permute(0, 2, 1, 3).to(k_buf.dtype)
-        v_buf[slot_bq, :, lay.write_pos] = value_states.permute(0, 2, 1, 3).to(v_buf.dtype)
+        k_buf[slot_t, :, pos_t] = key_states[0].transpose(0, 1).to(k_buf.dtype)   # [num_tokens, kv_heads, dim]
+        v_buf[slot_t, :, pos_t] = value_states[0].transpose(0, 1).to(v_buf.dtype)
         if lay.slot_range is not None:
             lo, hi = lay.slot_range
             return k_buf[lo:hi, :, :lay.kv_len], v_buf[lo:hi, :, :lay.kv_len]
@@ -124,20 +132,25 @@ class SlotKVCache(Cache):
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over the slot store. query [batch, heads, max_q, head_dim]; key/value
-    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_mask()` above.
-    Calls without a SlotKVCache (e.g. HF `generate` on the same model) fall through to SDPA."""
-    if not kwargs.get("slot_step", False):
+    """Attention over the slot store. query packed [1, heads, num_tokens, head_dim]; key/value
+    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_mask()` above. Returns the
+    packed output [1, num_tokens, heads, head_dim].
+    Calls without `slot_layout` (e.g. HF `generate` on the same model) fall through to SDPA."""
+    lay = kwargs.get("slot_layout")
+    if lay is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    batch, num_heads, max_q, head_dim = query.shape
+    _, num_heads, _, head_dim = query.shape
+    batch, max_q = lay.is_valid.shape
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
+    padded = query.new_zeros(batch, max_q, num_heads, head_dim)                 # unpack into rows
+    padded[lay.token_row, lay.token_q] = query[0].transpose(0, 1)
     # Fold the query heads sharing a KV head into the query axis: no K/V repeat (CPU SDPA ignores enable_gqa).
-    q = query.reshape(batch, num_kv_heads, groups * max_q, head_dim)
+    q = padded.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, groups * max_q, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-    out = out.reshape(batch, num_heads, max_q, head_dim).transpose(1, 2)       # [batch, max_q, heads, head_dim]
-    return out, None
+    out = out.reshape(batch, num_heads, max_q, head_dim).permute(0, 2, 1, 3)  # [batch, max_q, heads, dim]
+    return out[lay.token_row, lay.token_q].unsqueeze(0), None                # [1, num_tokens, heads, dim]
 
 
 def register_attention() -> None:

@@ -1,8 +1,8 @@
 """Runs a Hugging Face decoder (Llama, Qwen2/3, Mistral, SmolLM...) over a slot KV store.
 
 One ModelRunner per model (target, draft). A forward takes a ragged batch: for each row a slot, the
-position of its first new token, and its new tokens; rows are padded to the longest and the padding
-is neither cached (it writes to the scratch column) nor returned. The runner counts every real token
+position of its first new token, and its new tokens. Tokens are packed flat, so a verify step costs
+the sum of the rows' lengths, not batch x the longest. The runner counts every real token
 it forwards, so tests can prove accepted tokens are never recomputed.
 
 This module knows nothing about requests, drafting or sampling.
@@ -42,22 +42,19 @@ class ModelRunner:
         every real token in row order ([sum(len), vocab]), for the last token of each row
         ([rows, vocab]), or None (logits="none": prefill)."""
         num_new = [len(t) for t in tokens]
-        lay = make_layout(slots, starts, num_new, self.cache.scratch, self.device)
-        input_ids = torch.zeros(lay.is_valid.shape, dtype=torch.long)
-        for b, toks in enumerate(tokens):
-            input_ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-        if logits == "last":
-            keep = torch.zeros_like(lay.is_valid)
-            keep[torch.arange(len(tokens)), torch.tensor(num_new) - 1] = True
+        lay = make_layout(slots, starts, num_new, self.device)
+        flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long).unsqueeze(0)   # [1, T]
+        ends = torch.tensor(num_new).cumsum(0) - 1                             # packed index of each row's last
+        keep = torch.zeros(flat.shape, dtype=torch.bool)
+        if logits == "all":
+            keep[:] = True
         else:
-            keep = lay.is_valid if logits == "all" else torch.zeros_like(lay.is_valid)
-            if logits == "none":
-                keep[0, 0] = True          # HF computes at least one position; discarded below
+            keep[0, ends if logits == "last" else ends[:1]] = True              # "none": HF needs >= 1
         self.cache.layout = lay
-        out = self.model(input_ids=input_ids.to(self.device), position_ids=lay.position_ids,
+        out = self.model(input_ids=flat.to(self.device), position_ids=lay.flat_position_ids,
                          attention_mask=attention_mask(lay, self.num_groups, self.dtype),
                          cache=self.cache, use_cache=True, logits_to_keep=keep.to(self.device),
-                         slot_step=True)
+                         slot_layout=lay)
         self.cache.layout = None
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.logits.float()
