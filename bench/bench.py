@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="every system runs in this dtype")
     ap.add_argument("--only", nargs="*", help="run only these config names")
+    ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompts = json.load(open(args.prompts))
@@ -178,6 +179,9 @@ def main() -> None:
     configs = [c for c in suite(args.model, args.n_all, args.n_b1) if not args.only or c["name"] in args.only]
     common = ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
+    if args.from_files:
+        report(configs, load_runs(configs, workdir), args)
+        return
     ours = [c for c in configs if "vllm" not in c]
     for rep in range(args.repeats):
         for cfg in ours:
@@ -191,6 +195,23 @@ def main() -> None:
         runs.update({k: v for k, v in got.items() if k in runs})
         print(f"vllm {mode}: " + ", ".join(f"{k} {[round(r.get('tokens_per_s', 0), 1) for r in v]}"
                                            for k, v in got.items()), flush=True)
+    report(configs, runs, args)
+
+
+def load_runs(configs: list[dict], workdir: Path) -> dict[str, list[dict]]:
+    runs = {c["name"]: sorted(workdir.glob(f"{c['name']}_[0-9].json")) for c in configs}
+    runs = {k: [json.load(open(f)) for f in v] for k, v in runs.items()}
+    for mode in ("plain", "ngram"):
+        f = workdir / f"vllm_{mode}.json"
+        if f.exists():
+            res = json.load(open(f))["runs"]
+            runs[f"vllm_{mode}_all"] = [r for r in res if r["batch"] == "all"]
+            runs[f"vllm_{mode}_b1"] = [r for r in res if r["batch"] == "1"]
+    return {k: v for k, v in runs.items() if v}
+
+
+def report(configs: list[dict], runs: dict[str, list[dict]], args) -> None:
+    configs = [c for c in configs if runs.get(c["name"])]
     rows = summarise(configs, runs)
     table = markdown(rows)
     print(table)
