@@ -69,7 +69,6 @@ def verify(
     device = target_probs.device
     num_seqs = len(cu_num_draft) - 1
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                    # [num_seqs]
-    max_draft = int(num_draft.max()) if num_seqs else 0
     seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
 
     p_rows = target_probs[target_row]                                   # [num_draft_tokens, vocab]
@@ -99,11 +98,7 @@ def verify(
         final_dist[rej_seq] = torch.where(empty.unsqueeze(1), final_p[rej_seq], residual)
     final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), sample_from_probs(final_dist, sample_uniforms))
 
-    output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
-    acc_rows = is_accepted.nonzero().squeeze(1)
-    output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]
-    output_ids[torch.arange(num_seqs, device=device), num_accepted] = final_tok
-    return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted)
+    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok)
 
 
 def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor,
@@ -112,13 +107,21 @@ def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor,
     the same result as `verify` with all-greedy sequences, without touching vocabulary-sized rows."""
     device = target_argmax.device
     num_seqs = len(cu_num_draft) - 1
-    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
     seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
     is_accepted = draft_ids == target_argmax[target_row]
     num_accepted = first_rejections(is_accepted, cu_num_draft)
     is_accepted &= pos_in_seq < num_accepted[seq_of_row]
     final_tok = target_argmax[cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted]
+    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok)
+
+
+def _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok) -> VerifyOutput:
+    """Per sequence: its accepted draft tokens, then the recovered/bonus token; -1 padded."""
+    num_seqs = len(cu_num_draft) - 1
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
     max_draft = int(num_draft.max()) if num_seqs else 0
+    seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft)
+    device = draft_ids.device
     output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
     acc_rows = is_accepted.nonzero().squeeze(1)
     output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]
