@@ -1,11 +1,14 @@
 """Batch generation job: `python jobs/generate.py --config configs/demo.yaml [key=value ...]`.
 
-Today it runs one engine in this process (pipeline/local.py); the Ray driver will sit behind the same
-command. The config is validated before any model is loaded.
+Runs on the Ray cluster it is submitted to (`ray job submit ... -- python jobs/generate.py ...`),
+on `cluster.address`, or else on a local Ray it starts (loopback, token auth, no dashboard). The
+config and the input plan are checked before any model loads or any actor starts. Exits 0 only
+after the run's manifest and _SUCCESS marker are written; 2 on a bad config or input; 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -25,17 +28,19 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from pipeline.local import run_local
-    result = run_local(cfg)
-    for c in result["completions"][:args.show]:
-        print(f"\n--- {c.request_id} ({c.finish_reason}, {len(c.output_ids)} tokens, "
-              f"{c.num_accepted}/{c.num_draft_tokens} drafts accepted)\n{c.text}")
-    for e in result["errors"]:
-        print(f"error row {e['id']}: {e['message']}", file=sys.stderr)
-    s = result["summary"]
-    print(f"\n{s['completions']} completions, {s['errors']} errors, {s['new_tokens']} tokens in {s['wall_s']} s "
-          f"({s['tokens_per_s']} tok/s), acceptance {s['acceptance_rate']}, "
-          f"{s['mean_tokens_per_round']} tokens/round; outputs in {cfg.output.path}")
+    from pipeline.cluster.driver import JobFailed, run_job
+    from pipeline.io.reader import InputError
+    from pipeline.io.writer import OutputError
+    from pipeline.report import print_summary
+    try:
+        summary = run_job(cfg)
+    except (InputError, OutputError) as e:
+        print(f"input/output error: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"job failed: {e}", file=sys.stderr)
+        return 1
+    print_summary(summary, show=args.show, storage=cfg.storage)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -96,25 +97,96 @@ class EngineSection:
         return EngineConfig(**asdict(self))
 
 
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "arrow")
+
+
 @dataclass
 class InputConfig:
-    path: str = "data/demo_prompts.jsonl"   # JSONL or Parquet of prompts
+    path: str = "data/demo_prompts.jsonl"   # file, folder or glob on any fsspec URL (local, s3://, memory://)
+    format: str = "auto"                    # auto (from the extension) | parquet | jsonl | arrow
+                                            # (a `datasets` save_to_disk folder is found automatically)
     prompt_column: str = "prompt"           # a plain string prompt (chat template applied)
     messages_column: str = "messages"       # or a chat: list of {role, content}
-    id_column: str = "id"                   # optional; else the row index
-    limit: Optional[int] = None             # read at most this many rows
+    id_column: str = "id"                   # optional; else a stable id from file + row index
+    rows_per_unit: int = 256                # a work unit is (file, row range) of at most this many rows
+    check_duplicate_ids: bool = True        # plan-time pass over the id column (memory ~ number of ids)
+    limit: Optional[int] = None             # plan at most this many rows in total
+
+    def __post_init__(self):
+        _one_of("input.format", self.format, INPUT_FORMATS)
+        if self.rows_per_unit < 1:
+            raise ConfigError(f"input.rows_per_unit: expected >= 1, got {self.rows_per_unit}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"input.limit: expected >= 1 or null, got {self.limit}")
+        if not self.path:
+            raise ConfigError("input.path: required")
 
 
 @dataclass
 class OutputConfig:
-    path: str = "out/demo"                  # folder for completions and rounds
+    path: str = "out"                       # root folder/URL; a run writes under <path>/<run.run_id>/
+    compression: str = "zstd"               # Parquet codec
+
+    def __post_init__(self):
+        _one_of("output.compression", self.compression, ("zstd", "snappy", "gzip", "none"))
+
+
+@dataclass
+class StorageConfig:
+    """Object-store access for s3:// input and output. Unset fields fall back to the standard AWS
+    environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION). Keys given
+    here are never written to the output (the stored config redacts them)."""
+    endpoint_url: Optional[str] = None
+    key: Optional[str] = None
+    secret: Optional[str] = None
+    region: Optional[str] = None
+
+    def with_environment(self) -> "StorageConfig":
+        """Unset fields filled from the driver's AWS environment, so workers on other machines
+        (whose environment the driver does not control) see the same endpoint and credentials."""
+        env = os.environ.get
+        return StorageConfig(endpoint_url=self.endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"),
+                             key=self.key or env("AWS_ACCESS_KEY_ID"), secret=self.secret or env("AWS_SECRET_ACCESS_KEY"),
+                             region=self.region or env("AWS_REGION") or env("AWS_DEFAULT_REGION"))
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None           # Ray address; null = the job's cluster (ray job submit) or local Ray
+    num_workers: int = 1                    # generation actors, each with its own target + draft
+    num_cpus_per_worker: float = 1          # Ray CPUs per actor (also its torch threads, at least 1)
+    num_gpus_per_worker: float = 0          # Ray GPUs per actor (models.device=cuda needs > 0)
+    units_in_flight: int = 2                # units handed to an actor at once: the next one is queued
+                                            # before the current one drains, so batches stay full
+    max_worker_restarts: int = 2            # replacement actors after deaths, over the whole job
+    max_unit_attempts: int = 3              # a unit failing this many times fails the job
+
+    def __post_init__(self):
+        for key, low in (("num_workers", 1), ("units_in_flight", 1), ("max_unit_attempts", 1),
+                         ("max_worker_restarts", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"cluster.{key}: expected >= {low}, got {getattr(self, key)}")
+        if self.num_cpus_per_worker <= 0 or self.num_gpus_per_worker < 0:
+            raise ConfigError("cluster.num_cpus_per_worker/num_gpus_per_worker: expected cpus > 0, gpus >= 0")
+
+
+@dataclass
+class DebugConfig:
+    """Failure drills for tests; leave at the defaults in real runs."""
+    crash_worker_after_steps: int = 0       # first incarnation of worker 0 exits (os._exit) after N steps
+    crash_before_commit: bool = False       # workers exit after writing a unit's data, before its marker
 
 
 @dataclass
 class RunConfig:
-    run_id: str = "demo"
+    run_id: str = "demo"                    # output folder name; files depend only on (run id, unit id)
     seed: int = 0                           # per-row generators are seeded from (seed, row id)
     progress: bool = True
+    resume: bool = True                     # skip units already committed under this run id
+
+    def __post_init__(self):
+        if not self.run_id or any(c in self.run_id for c in "/\\*?"):
+            raise ConfigError(f"run.run_id: expected a plain name, got {self.run_id!r}")
 
 
 @dataclass
@@ -124,7 +196,14 @@ class JobConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self):
+        if self.models.device.startswith("cuda") and self.cluster.num_gpus_per_worker <= 0:
+            raise ConfigError("cluster.num_gpus_per_worker: models.device=cuda needs a GPU per worker (> 0)")
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -146,6 +225,21 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> JobConfig
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
 
 
+def redacted(cfg: JobConfig) -> dict:
+    """The resolved config as stored with the output: credentials removed."""
+    tree = asdict(cfg)
+    for key in ("key", "secret"):
+        if tree["storage"][key] is not None:
+            tree["storage"][key] = "<redacted>"
+    return tree
+
+
 def config_hash(cfg: JobConfig) -> str:
-    """Stable short hash of the resolved config (goes into every output row)."""
-    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    """Stable short hash of what determines the output (goes into every output row): everything but
+    where the job runs (cluster, storage credentials), progress display and failure drills."""
+    tree = asdict(cfg)
+    for key in ("cluster", "storage", "debug"):
+        tree.pop(key)
+    tree["run"].pop("progress")
+    tree["run"].pop("resume")
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]

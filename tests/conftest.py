@@ -1,8 +1,28 @@
-"""Shared fixtures: tiny random-init decoders (only the weights are fake), engines, references."""
+"""Shared fixtures: tiny random-init decoders (only the weights are fake), engines, references, and
+for the pipeline tests a tiny model directory and a real `ray start --head` cluster."""
 from __future__ import annotations
 
 import copy
+import os
 import random
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Every Ray cluster the tests start or join uses token authentication with a session token. Set
+# before anything imports ray: Ray reads its auth mode once per process.
+assert "ray" not in sys.modules, "conftest must configure Ray auth before ray is imported"
+_AUTH_DIR = Path(tempfile.mkdtemp(prefix="specpipe-ray-auth-"))
+(_AUTH_DIR / "token").write_text(secrets.token_hex(32))
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(_AUTH_DIR / "token")
+os.environ.pop("RAY_AUTH_TOKEN", None)
+os.environ.pop("RAY_ADDRESS", None)
 
 import pytest
 import torch
@@ -119,6 +139,59 @@ def target_model():
 @pytest.fixture(scope="session")
 def draft_model(target_model):
     return noisy_copy(target_model, noise=0.05)
+
+
+# ---- pipeline fixtures ------------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random-init Llama (fp32 safetensors) with the real SmolLM2 tokenizer and chat
+    template: real text prompts, fake weights. Greedy outputs are varied (init range 0.7)."""
+    from pipeline.models import resolve_hf_dir
+    src = resolve_hf_dir("smollm2-135m-instruct")
+    out = tmp_path_factory.mktemp("tiny-smollm")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    tiny_llama(vocab=49152, layers=2, hidden=64).save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayHead:
+    """A real `ray start --head` on loopback, token auth on (the session token), dashboard and job
+    API on 127.0.0.1 only."""
+
+    def __init__(self, num_cpus: int = 4):
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        bin_dir = os.path.dirname(sys.executable)
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        self.ray = os.path.join(bin_dir, "ray")
+        cmd = [self.ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+               "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+               "--num-cpus", str(num_cpus), "--disable-usage-stats", "--include-dashboard", "true"]
+        subprocess.run(cmd, env=self.env, check=True, capture_output=True, timeout=180)
+
+    def stop(self) -> None:
+        subprocess.run([self.ray, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    head = RayHead()
+    yield head
+    head.stop()
 
 
 __all__ = ["SamplingParams"]

@@ -149,18 +149,19 @@ class SpecEngine:
 
     def _validate(self, request_id, prompt_ids, params) -> None:
         if not isinstance(params, SamplingParams):
-            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}")
+            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}", "bad_sampling")
         if str(request_id) in self._ids:
-            raise RequestError("request_id", f"duplicate id {request_id!r}")
+            raise RequestError("request_id", f"duplicate id {request_id!r}", "duplicate_id")
         if len(prompt_ids) == 0:
-            raise RequestError("prompt", "empty prompt: expected at least 1 token")
+            raise RequestError("prompt", "empty prompt: expected at least 1 token", "empty_prompt")
         limit = self.config.max_model_len - 1
         if len(prompt_ids) > limit:
             raise RequestError("prompt", f"{len(prompt_ids)} tokens; expected at most {limit} "
-                                         f"(max_model_len {self.config.max_model_len} leaves room for 1 new token)")
+                                         f"(max_model_len {self.config.max_model_len} leaves room for 1 new token)",
+                               "prompt_too_long")
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.vocab_size]
         if bad:
-            raise RequestError("prompt", f"token id {bad[0]} outside [0, {self.target.vocab_size})")
+            raise RequestError("prompt", f"token id {bad[0]} outside [0, {self.target.vocab_size})", "bad_token_id")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -168,6 +169,11 @@ class SpecEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests that hold no slot yet."""
+        return len(self.scheduler.waiting)
 
     # ---- the round ------------------------------------------------------------------------------
     def step(self) -> StepOutput:

@@ -19,11 +19,13 @@ FINISH_REASONS = ("stop", "eos", "length", "context")
 
 
 class RequestError(ValueError):
-    """A request that cannot run; `field` names the offending input."""
+    """A request that cannot run; `field` names the offending input, `code` classifies the reason
+    (bad_sampling, empty_prompt, prompt_too_long, bad_token_id, duplicate_id, ...)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str = "bad_sampling"):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""Arrow schemas of the three outputs. Every unit writes all three files, empty ones included, with
+these exact schemas, so any subset of units concatenates and loads with pandas, pyarrow or
+`datasets.load_dataset("parquet", ...)` without schema conflicts."""
+from __future__ import annotations
+
+import pyarrow as pa
+
+COMPLETIONS = pa.schema([
+    ("id", pa.string()),
+    ("text", pa.string()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("finish_reason", pa.string()),            # stop | eos | length | context
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("rounds", pa.int32()),                    # speculative rounds (target forwards) of this row
+    ("draft_tokens", pa.int32()),              # proposed
+    ("accepted_tokens", pa.int32()),           # proposed and kept
+    ("acceptance_rate", pa.float64()),         # accepted / draft; null when nothing was drafted
+    ("mean_accepted_length", pa.float64()),    # committed tokens per round (accepted + recovered/bonus)
+    ("seed", pa.int64()),
+    ("target_model", pa.string()),
+    ("draft_model", pa.string()),
+    ("drafter", pa.string()),
+    ("config_hash", pa.string()),
+    ("run_id", pa.string()),
+    ("unit", pa.string()),
+    ("source_file", pa.string()),
+    ("source_row", pa.int64()),
+    ("worker", pa.string()),
+    ("latency_s", pa.float64()),               # queued in the engine -> finished
+])
+
+ROUNDS = pa.schema([
+    ("id", pa.string()),
+    ("round", pa.int32()),
+    ("draft_len", pa.int32()),
+    ("accepted", pa.int32()),
+    ("emitted", pa.int32()),
+    ("accepted_mask", pa.list_(pa.bool_())),   # per draft position
+    ("first_rejected", pa.int32()),            # index of the first rejected draft; null if none
+    ("batch_size", pa.int32()),
+    ("draft_s", pa.float64()),                 # the step's draft phase
+    ("verify_s", pa.float64()),                # the step's verify phase
+    ("step", pa.int64()),
+    ("worker", pa.string()),
+    ("unit", pa.string()),
+])
+
+ERRORS = pa.schema([
+    ("id", pa.string()),
+    ("reason", pa.string()),                   # empty_prompt | bad_prompt_type | bad_messages |
+                                               # prompt_too_long | bad_sampling | duplicate_id | missing_id
+    ("field", pa.string()),
+    ("message", pa.string()),
+    ("source_file", pa.string()),
+    ("source_row", pa.int64()),
+    ("unit", pa.string()),
+    ("run_id", pa.string()),
+    ("config_hash", pa.string()),
+])
+
+TABLES = {"completions": COMPLETIONS, "rounds": ROUNDS, "errors": ERRORS}
+
+
+def to_table(kind: str, rows: list[dict]) -> pa.Table:
+    """Rows (dicts with exactly the schema's keys) -> a table with the fixed schema."""
+    return pa.Table.from_pylist(rows, schema=TABLES[kind])

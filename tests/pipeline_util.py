@@ -1,0 +1,52 @@
+"""Helpers shared by the pipeline tests: prompt shards, job configs, reading a run back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import load_config
+
+WORDS = ("river stone cloud lamp garden violin harbor pencil meadow rocket copper lantern orbit "
+         "maple canyon ember falcon quartz willow saffron").split()
+
+
+def prompt_rows(n: int, prefix: str, seed: int = 0) -> list[dict]:
+    """n real-text prompts of varied length with unique ids `<prefix>-<i>`."""
+    rows = []
+    for i in range(n):
+        k = 3 + (i * 7 + seed) % 17
+        words = [WORDS[(i * 31 + j * 7 + seed) % len(WORDS)] for j in range(k)]
+        rows.append({"id": f"{prefix}-{i}", "prompt": "Continue: " + " ".join(words)})
+    return rows
+
+
+def write_parquet(path: Path, rows: list[dict], row_group_size: int = 8) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def job_config(model_dir: Path, input_path: str, output_path: str, *overrides: str):
+    """A small, fast job on the tiny model: greedy, n-gram drafts, short outputs."""
+    base = [f"models.target={model_dir}", "models.drafter=ngram", "models.dtype=float32",
+            "engine.max_num_seqs=4", "engine.max_model_len=256", "engine.num_speculative_tokens=3",
+            "sampling.max_tokens=8", "sampling.temperature=0", f"input.path={input_path}",
+            "input.rows_per_unit=5", f"output.path={output_path}", "run.run_id=t", "run.progress=false",
+            "cluster.num_workers=2", "cluster.num_cpus_per_worker=1"]
+    return load_config(None, base + list(overrides))
+
+
+def read_run(run_dir: Path) -> dict[str, list[dict]]:
+    """Every published table of a run, as rows."""
+    out = {}
+    for kind in ("completions", "rounds", "errors"):
+        files = sorted((run_dir / kind).glob("*.parquet"))
+        out[kind] = [r for f in files for r in pq.read_table(f).to_pylist()]
+    return out
+
+
+def manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
