@@ -168,23 +168,91 @@ def free_port() -> int:
 
 class RayHead:
     """A real `ray start --head` on loopback, token auth on (the session token), dashboard and job
-    API on 127.0.0.1 only."""
+    API on 127.0.0.1 only.
 
-    def __init__(self, num_cpus: int = 4):
+    Started with `--block` in its own process group so that `stop()` ends exactly this head's
+    processes (the `ray start` process tears down its GCS, raylet, dashboard and workers on SIGTERM),
+    never other Ray processes on the machine as `ray stop` would."""
+
+    def __init__(self, num_cpus: int = 4, timeout: float = 180.0):
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         bin_dir = os.path.dirname(sys.executable)
         self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
         self.ray = os.path.join(bin_dir, "ray")
-        cmd = [self.ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
-               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+        cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port",
+               str(self.gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                "--num-cpus", str(num_cpus), "--disable-usage-stats", "--include-dashboard", "true"]
-        subprocess.run(cmd, env=self.env, check=True, capture_output=True, timeout=180)
+        self.log_path = Path(tempfile.mkdtemp(prefix="specpipe-ray-head-")) / "ray-start.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Until the job API answers an authenticated request (the dashboard starts after `ray start`
+        has brought up GCS and raylet)."""
+        import urllib.error
+        import urllib.request
+        token = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        request = urllib.request.Request(f"{self.dashboard_url}/api/jobs/",
+                                         headers={"Authorization": f"Bearer {token}"})
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray head not ready after {timeout:.0f} s:\n{self.log()}")
+            time.sleep(1.0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        subprocess.run([self.ray, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        """SIGTERM to our `ray start --block` (it kills the processes it started); anything of our
+        process group still alive afterwards is killed by pid."""
+        import signal
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        for pid in _process_group_members(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def _process_group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is `pgid` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
 
 
 @pytest.fixture(scope="session")

@@ -31,12 +31,17 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int = 8) -> Path
 
 def job_config(model_dir: Path, input_path: str, output_path: str, *overrides: str):
     """A small, fast job on the tiny model: greedy, n-gram drafts, short outputs."""
+    return load_config(None, job_overrides(model_dir, input_path, output_path, *overrides))
+
+
+def job_overrides(model_dir: Path, input_path: str, output_path: str, *overrides: str) -> list[str]:
+    """job_config's settings as `key=value` overrides (for `python jobs/generate.py ...`)."""
     base = [f"models.target={model_dir}", "models.drafter=ngram", "models.dtype=float32",
             "engine.max_num_seqs=4", "engine.max_model_len=256", "engine.num_speculative_tokens=3",
             "sampling.max_tokens=8", "sampling.temperature=0", f"input.path={input_path}",
             "input.rows_per_unit=5", f"output.path={output_path}", "run.run_id=t", "run.progress=false",
             "cluster.num_workers=2", "cluster.num_cpus_per_worker=1"]
-    return load_config(None, base + list(overrides))
+    return base + list(overrides)
 
 
 def read_run(run_dir: Path) -> dict[str, list[dict]]:
