@@ -43,8 +43,9 @@ def print_summary(summary: dict, show: int = 3, storage: StorageConfig = Storage
           f"{s['error_reasons'] or ''}")
     print(f"units {s['units']} ({s['units_skipped']} already committed, {s['unit_retries']} retried, "
           f"{s['worker_restarts']} worker restarts)")
-    print(f"this run: {s['rows_this_run']} rows, {s['tokens_this_run']} tokens in {s['wall_s']} s "
-          f"({s['tokens_per_s']} tok/s, {s['rows_per_s']} rows/s); acceptance {s['acceptance_rate']}, "
+    print(f"this run: {s['rows_this_run']} rows, {s['tokens_this_run']} tokens in {s['wall_s']} s end to end "
+          f"({s['tokens_per_s']} tok/s, {s['rows_per_s']} rows/s; generating {s.get('generate_s')} s, "
+          f"{s.get('generate_tokens_per_s')} tok/s); acceptance {s['acceptance_rate']}, "
           f"{s['tokens_per_round']} tokens/round")
     print(f"output: {run_url} (manifest.json, _SUCCESS)")
 

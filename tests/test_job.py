@@ -1,6 +1,7 @@
 """The job entrypoint: config validation fails fast naming the key; the demo path runs a real model
 over real prompts, and bad rows become error records while the others complete."""
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -37,23 +38,27 @@ def test_config_hash_is_stable_and_sensitive():
 
 
 @pytest.mark.slow
-def test_demo_job_on_real_model(tmp_path):
-    rows = [json.loads(line) for line in open("data/demo_prompts.jsonl")][:3]
+def test_demo_job_on_real_model_and_local_ray(tmp_path):
+    """The README's demo path: no cluster address, so the job starts its own local Ray (token auth
+    on), runs the shipped SmolLM2 over a real prompt shard and commits the run."""
+    src = tmp_path / "in"
+    src.mkdir()
+    rows = [json.loads(line) for line in open("data/demo/grounded.jsonl")][:3]
     rows += [{"id": "empty", "prompt": ""}, {"id": "badtemp", "prompt": "Hi", "temperature": -1.0}]
-    src = tmp_path / "prompts.jsonl"
-    src.write_text("\n".join(json.dumps(r) for r in rows))
+    (src / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    shutil.copy("data/demo/mtbench_humaneval.parquet", src / "b.parquet")
     out = tmp_path / "out"
-    assert main(["--config", "configs/demo.yaml", f"input.path={src}", f"output.path={out}",
-                 "sampling.max_tokens=12", "run.progress=false"]) == 0
-    comps = pq.read_table(out / "completions.parquet").to_pylist()
-    errors = pq.read_table(out / "errors.parquet").to_pylist()
-    assert sorted(c["request_id"] for c in comps) == sorted(r["id"] for r in rows[:3])
-    assert {e["id"]: e["field"] for e in errors} == {"empty": "prompt", "badtemp": "temperature"}
-    assert all(0 < len(c["output_ids"]) <= 12 and c["text"] for c in comps)
-    rounds = pq.read_table(out / "rounds.parquet").to_pylist()
-    for c in comps:   # rounds are consistent with each completion's counts
-        mine = [r for r in rounds if r["request_id"] == c["request_id"]]
-        assert sum(r["emitted"] for r in mine) == len(c["output_ids"])
-        assert sum(r["accepted"] for r in mine) == c["num_accepted"]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["completions"] == 3 and summary["errors"] == 2
+    assert main(["--config", "configs/demo.yaml", f"input.path={src}", f"output.path={out}", "input.limit=7",
+                 "sampling.max_tokens=12", "run.progress=false", "cluster.num_cpus_per_worker=1"]) == 0
+    run = out / "demo"
+    comps = [r for f in sorted((run / "completions").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    errors = [r for f in sorted((run / "errors").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert sorted(c["id"] for c in comps) == sorted([r["id"] for r in rows[:3]] + ["mtbench/81", "mtbench/91"])
+    assert {e["id"]: (e["reason"], e["field"]) for e in errors} == {
+        "empty": ("empty_prompt", "prompt"), "badtemp": ("bad_sampling", "temperature")}
+    assert all(0 < c["completion_tokens"] <= 12 and c["text"] for c in comps)
+    assert {c["target_model"] for c in comps} == {"smollm2-135m-instruct"}
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["completions"] == 5 and manifest["errors"] == 2 and (run / "_SUCCESS").exists()
+    stored = (run / "config.yaml").read_text()
+    assert "smollm2-135m-instruct" in stored and manifest["config_hash"] == comps[0]["config_hash"]

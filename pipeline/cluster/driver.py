@@ -41,7 +41,7 @@ def connect(cluster: ClusterConfig, needed_cpus: float) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return True
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",   # always a new one
              num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)), **quiet)
     return True
 
@@ -153,7 +153,10 @@ def run_job(cfg: JobConfig) -> dict:
 
 def _dispatch(cfg: JobConfig, todo: list[Unit], run_stats: dict) -> None:
     pool = WorkerPool(cfg)
+    t_spawn = time.perf_counter()
     run_stats["workers"] = pool.start()
+    run_stats["workers_ready_s"] = round(time.perf_counter() - t_spawn, 2)
+    t_first = time.perf_counter()
     queue, attempts = collections.deque(todo), collections.Counter()
     rows_total = sum(u.num_rows for u in todo)
     bar = tqdm(total=rows_total, unit="row", disable=not cfg.run.progress, smoothing=0.1)
@@ -185,6 +188,7 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], run_stats: dict) -> None:
         if time.perf_counter() - last_poll > 1.0:
             last_poll = time.perf_counter()
             _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
+    run_stats["generate_s"] = round(time.perf_counter() - t_first, 3)   # first unit handed out -> last commit
     _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
     bar.close()
 
@@ -229,4 +233,6 @@ def _summary(cfg, chash, markers: dict, fresh: list[dict], run_stats: dict, wall
             "tokens_per_round": round(total["tokens"] / total["rounds"], 3) if total["rounds"] else None,
             "wall_s": round(wall, 2), "rows_this_run": new_rows, "tokens_this_run": new_tokens,
             "tokens_per_s": round(new_tokens / wall, 1), "rows_per_s": round(new_rows / wall, 2),
+            "generate_tokens_per_s": round(new_tokens / run_stats["generate_s"], 1)
+            if run_stats.get("generate_s") else None,
             **run_stats}

@@ -45,10 +45,15 @@ class Unit:
 
 
 def storage_options(url: str, storage: StorageConfig) -> dict:
-    """fsspec options for a URL: s3 endpoint/credentials from config, else the AWS environment."""
+    """fsspec options for a URL: s3 endpoint/credentials from config, else the AWS environment.
+
+    s3fs's listing cache is off: the run folder is written concurrently by other processes (the
+    workers, earlier or later runs), and fsspec shares one filesystem instance per option set across
+    a process, so a cached listing (e.g. `_committed/` taken before the workers started) would hide
+    their markers from the driver's manifest and resume logic."""
     if not url.startswith(("s3://", "s3a://")):
         return {}
-    opts, client = {}, {}
+    opts, client = {"use_listings_cache": False}, {}
     if storage.key is not None:
         opts["key"] = storage.key
     if storage.secret is not None:

@@ -1,0 +1,168 @@
+"""The whole job against the engine alone, on the same real prompts and model.
+
+    .venv/bin/python -m bench.pipeline_bench --suite --n 32 --max-tokens 64 --repeats 3 --out bench/out/pipeline.json
+
+Each measurement runs in a fresh process (--one), alternating configurations across repeats:
+- engine:  build_engine + SpecEngine.run over the pre-tokenized prompts, all queued at once, after a
+           warm-up (the engine's own time; no files, no Ray).
+- job:     jobs/generate.py's run_job on a local Ray it starts (the README demo's path): prompts read
+           from Parquet shards, tokenized in the worker, outputs committed to local disk. Reported:
+           wall (plan -> _SUCCESS, incl. Ray start and model load), workers_ready (actor start + load)
+           and generate (first unit handed out -> last unit committed).
+Pipeline overhead at 1 worker = job generate time / engine time - 1, with the same threads.
+Nothing else may run on the machine meanwhile (2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2-135m-instruct"
+CONFIGS = {   # name -> (mode, workers, threads per worker)
+    "engine-2t": ("engine", 1, 2),
+    "job-1w-2t": ("job", 1, 2),
+    "engine-1t": ("engine", 1, 1),
+    "job-1w-1t": ("job", 1, 1),
+    "job-2w-1t": ("job", 2, 1),
+}
+
+
+def write_shards(n: int, folder: Path, files: int = 2) -> list[dict]:
+    from bench.prompts import mixed
+    rows = [{"id": r["id"], "messages": r["messages"]} for r in mixed(n)]
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-len(rows) // files)
+    for f in range(files):
+        pq.write_table(pa.Table.from_pylist(rows[f * per:(f + 1) * per]), folder / f"part-{f}.parquet")
+    return rows
+
+
+def job_overrides(args, workers: int, threads: int, out: Path) -> list[str]:
+    return [f"models.target={MODEL}", "models.drafter=ngram", "models.dtype=float32",
+            f"engine.max_num_seqs={args.batch}", "engine.max_model_len=1024", "engine.num_speculative_tokens=4",
+            f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=0", f"input.path={args.shards}",
+            f"input.rows_per_unit={args.rows_per_unit}", f"output.path={out}", "run.run_id=bench",
+            "run.progress=false", f"cluster.num_workers={workers}", f"cluster.num_cpus_per_worker={threads}"]
+
+
+def run_engine(args, threads: int) -> dict:
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.engine import SamplingParams
+    from pipeline.runtime import build_engine, prompt_ids
+    torch.set_num_threads(threads)
+    cfg = load_config(None, job_overrides(args, 1, threads, Path("/tmp/unused")))
+    loaded = build_engine(cfg.models, cfg.engine)
+    engine, tok = loaded.engine, loaded.tokenizer
+    rows = [r for f in sorted(Path(args.shards).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    prompts = [prompt_ids(tok, None, r["messages"]) for r in rows]
+    for i, p in enumerate(prompts[:2]):                                     # warm-up
+        engine.add_request(f"warm{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+    engine.run()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    for r, p in zip(rows, prompts):
+        engine.add_request(r["id"], p, params, seed=0)
+    t0 = time.perf_counter()
+    done = engine.run()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.output_ids) for c in done)
+    return {"rows": len(done), "tokens": tokens, "generate_s": wall, "tokens_per_s": tokens / wall,
+            "outputs": {c.request_id: c.output_ids for c in done}}
+
+
+def run_job_once(args, workers: int, threads: int) -> dict:
+    import shutil
+
+    from pipeline.cluster.driver import run_job
+    from pipeline.config import load_config
+    out = Path(args.work) / f"out-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    s = run_job(load_config(None, job_overrides(args, workers, threads, out)))
+    wall = time.perf_counter() - t0
+    comps = [r for f in sorted((out / "bench" / "completions").glob("*.parquet"))
+             for r in pq.read_table(f, columns=["id", "token_ids"]).to_pylist()]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"rows": s["rows"], "tokens": s["tokens"], "wall_s": wall, "generate_s": s["generate_s"],
+            "workers_ready_s": s["workers_ready_s"], "tokens_per_s": s["tokens"] / s["generate_s"],
+            "end_to_end_tokens_per_s": s["tokens"] / wall, "rows_per_s": s["rows"] / s["generate_s"],
+            "outputs": {c["id"]: c["token_ids"] for c in comps}}
+
+
+def one(args) -> None:
+    mode, workers, threads = CONFIGS[args.one]
+    result = run_engine(args, threads) if mode == "engine" else run_job_once(args, workers, threads)
+    print("RESULT " + json.dumps(result))
+
+
+def suite(args) -> None:
+    rows = write_shards(args.n, Path(args.shards))
+    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for rep in range(args.repeats):
+        for name in CONFIGS:
+            cmd = [sys.executable, "-m", "bench.pipeline_bench", "--one", name, *_passthrough(args)]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not line:
+                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            results[name].append(json.loads(line[0][7:]))
+            r = results[name][-1]
+            print(f"rep {rep} {name}: {r['tokens']} tokens, generate {r['generate_s']:.1f} s, "
+                  f"{r['tokens_per_s']:.1f} tok/s" + (f", wall {r['wall_s']:.1f} s" if "wall_s" in r else ""),
+                  flush=True)
+    reference = results["engine-2t"][0]["outputs"]
+    summary = {"n_prompts": len(rows), "max_tokens": args.max_tokens, "batch": args.batch,
+               "rows_per_unit": args.rows_per_unit, "repeats": args.repeats, "model": MODEL, "configs": {}}
+    for name, runs in results.items():
+        entry = {k: _stat([r[k] for r in runs]) for k in runs[0] if k != "outputs" and k != "rows"}
+        entry["identical_to_engine"] = sum(r["outputs"] == reference for r in runs) / len(runs)
+        summary["configs"][name] = entry
+    c = summary["configs"]
+    summary["overhead_1w_2t"] = c["job-1w-2t"]["generate_s"]["median"] / c["engine-2t"]["generate_s"]["median"] - 1
+    summary["overhead_1w_1t"] = c["job-1w-1t"]["generate_s"]["median"] / c["engine-1t"]["generate_s"]["median"] - 1
+    summary["scaling_2w_vs_1w_1t"] = c["job-1w-1t"]["generate_s"]["median"] / c["job-2w-1t"]["generate_s"]["median"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "configs"}, indent=2))
+
+
+def _stat(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _passthrough(args) -> list[str]:
+    return ["--n", str(args.n), "--max-tokens", str(args.max_tokens), "--batch", str(args.batch),
+            "--rows-per-unit", str(args.rows_per_unit), "--shards", args.shards, "--work", args.work]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", action="store_true")
+    p.add_argument("--one", choices=sorted(CONFIGS))
+    p.add_argument("--n", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rows-per-unit", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shards", default=str(ROOT / "bench" / "out" / "pipeline_in"))
+    p.add_argument("--work", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "pipeline.json"))
+    args = p.parse_args()
+    one(args) if args.one else suite(args)
+
+
+if __name__ == "__main__":
+    main()
