@@ -172,7 +172,12 @@ class RayHead:
 
     Started with `--block` in its own process group so that `stop()` ends exactly this head's
     processes (the `ray start` process tears down its GCS, raylet, dashboard and workers on SIGTERM),
-    never other Ray processes on the machine as `ray stop` would."""
+    never other Ray processes on the machine as `ray stop` would. Its own `--temp-dir`: the job API
+    gives a submitted driver the address in `<temp-dir>/ray_current_cluster`, which with the shared
+    /tmp/ray is whichever head on this machine started last (another test session's, another token).
+
+    Note: Ray replaces `--node-ip-address 127.0.0.1` with the host's routable IP (GCS and raylet
+    advertise it); only the dashboard/job API is pinned to loopback by `--dashboard-host`."""
 
     def __init__(self, num_cpus: int = 4, timeout: float = 180.0):
         self.gcs_port, self.dashboard_port = free_port(), free_port()
@@ -181,11 +186,13 @@ class RayHead:
         bin_dir = os.path.dirname(sys.executable)
         self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
         self.ray = os.path.join(bin_dir, "ray")
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")     # short: Ray's socket paths live here
         cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port",
                str(self.gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-               "--num-cpus", str(num_cpus), "--disable-usage-stats", "--include-dashboard", "true"]
-        self.log_path = Path(tempfile.mkdtemp(prefix="specpipe-ray-head-")) / "ray-start.log"
+               "--num-cpus", str(num_cpus), "--disable-usage-stats", "--include-dashboard", "true",
+               "--temp-dir", self.temp_dir]
+        self.log_path = Path(self.temp_dir) / "ray-start.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -237,6 +244,7 @@ class RayHead:
             except ProcessLookupError:
                 pass
         self._log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def _process_group_members(pgid: int) -> list[int]:
