@@ -72,6 +72,7 @@ def run_engine(args, threads: int) -> dict:
     for i, p in enumerate(prompts[:2]):                                     # warm-up
         engine.add_request(f"warm{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
     engine.run()
+    warm_steps = engine.num_steps
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for r, p in zip(rows, prompts):
         engine.add_request(r["id"], p, params, seed=0)
@@ -80,6 +81,7 @@ def run_engine(args, threads: int) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(len(c.output_ids) for c in done)
     return {"rows": len(done), "tokens": tokens, "generate_s": wall, "tokens_per_s": tokens / wall,
+            "steps": engine.num_steps - warm_steps,
             "outputs": {c.request_id: c.output_ids for c in done}}
 
 
@@ -97,7 +99,7 @@ def run_job_once(args, workers: int, threads: int) -> dict:
              for r in pq.read_table(f, columns=["id", "token_ids"]).to_pylist()]
     shutil.rmtree(out, ignore_errors=True)
     return {"rows": s["rows"], "tokens": s["tokens"], "wall_s": wall, "generate_s": s["generate_s"],
-            "workers_ready_s": s["workers_ready_s"], "tokens_per_s": s["tokens"] / s["generate_s"],
+            "workers_ready_s": s["workers_ready_s"], "engine_step_s": s["engine_step_s"], "steps": s["engine_steps"], "tokens_per_s": s["tokens"] / s["generate_s"],
             "end_to_end_tokens_per_s": s["tokens"] / wall, "rows_per_s": s["rows"] / s["generate_s"],
             "outputs": {c["id"]: c["token_ids"] for c in comps}}
 

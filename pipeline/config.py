@@ -156,8 +156,9 @@ class ClusterConfig:
     num_workers: int = 1                    # generation actors, each with its own target + draft
     num_cpus_per_worker: float = 1          # Ray CPUs per actor (also its torch threads, at least 1)
     num_gpus_per_worker: float = 0          # Ray GPUs per actor (models.device=cuda needs > 0)
-    units_in_flight: int = 2                # units handed to an actor at once: the next one is queued
-                                            # before the current one drains, so batches stay full
+    units_in_flight: int = 2                # units queued per actor at least (more when units are small:
+                                            # enough rows for a running and a waiting batch, so the
+                                            # next unit's rows enter before the current one drains)
     max_worker_restarts: int = 2            # replacement actors after deaths, over the whole job
     max_unit_attempts: int = 3              # a unit failing this many times fails the job
 

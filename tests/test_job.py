@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import main
-from pipeline.config import ConfigError, config_hash, load_config
+from pipeline.config import ConfigError, config_hash, load_config, redacted
 
 
 @pytest.mark.parametrize("override, key", [
@@ -19,6 +19,14 @@ from pipeline.config import ConfigError, config_hash, load_config
     ("sampling.top_p=1.5", "sampling.top_p"),
     ("sampling.temperature=-1", "sampling.temperature"),
     ("engine.max_num_seqs=abc", "engine.max_num_seqs"),
+    ("cluster.num_workers=0", "cluster.num_workers"),
+    ("cluster.max_unit_attempts=0", "cluster.max_unit_attempts"),
+    ("input.rows_per_unit=0", "input.rows_per_unit"),
+    ("input.format=csv", "input.format"),
+    ("output.compression=lz77", "output.compression"),
+    ("models.device=cuda", "cluster.num_gpus_per_worker"),
+    ("run.run_id=a/b", "run.run_id"),
+    ("storage.password=x", "storage.password"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -35,6 +43,16 @@ def test_config_hash_is_stable_and_sensitive():
     a, b = load_config("configs/demo.yaml"), load_config("configs/demo.yaml")
     assert config_hash(a) == config_hash(b)
     assert config_hash(a) != config_hash(load_config("configs/demo.yaml", ["engine.max_num_seqs=3"]))
+    # where and how the job runs does not change what it computes: resume across them is allowed
+    moved = load_config("configs/demo.yaml", ["cluster.num_workers=4", "storage.secret=s", "run.progress=false"])
+    assert config_hash(a) == config_hash(moved)
+
+
+def test_stored_config_redacts_credentials():
+    cfg = load_config("configs/demo.yaml", ["storage.key=AKIA123", "storage.secret=hunter2"])
+    tree = redacted(cfg)
+    assert tree["storage"]["key"] == tree["storage"]["secret"] == "<redacted>"
+    assert "hunter2" not in json.dumps(tree)
 
 
 @pytest.mark.slow

@@ -26,6 +26,12 @@ from ..io.writer import RunOutput
 from .worker import GenerationWorker
 
 
+# Driver wake-ups cost the workers' time on small machines (a woken process preempts a spinning
+# OpenMP thread), so progress is polled at most this often, and not at all with run.progress=false.
+PROGRESS_EVERY_S = 2.0
+MAX_UNITS_PER_WORKER = 64     # each queued unit holds one actor thread while it waits
+
+
 class JobFailed(RuntimeError):
     pass
 
@@ -59,6 +65,12 @@ class _Worker:
 class WorkerPool:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        # units queued per actor: at least units_in_flight, and enough rows that the engine has a
+        # full batch running plus a full batch waiting (else slots idle while a unit's last rows
+        # finish and its successor travels from the driver)
+        rows_wanted = 2 * cfg.engine.max_num_seqs + cfg.input.rows_per_unit
+        self.max_units = min(MAX_UNITS_PER_WORKER, max(cfg.cluster.units_in_flight,
+                                                       -(-rows_wanted // cfg.input.rows_per_unit)))
         self.workers: list[_Worker] = []
         self.restarts_left = cfg.cluster.max_worker_restarts
         self.dead_stats: dict = collections.Counter()
@@ -69,7 +81,7 @@ class WorkerPool:
         name = f"w{index}" + (f".{incarnation}" if incarnation else "")
         actor = ray.remote(GenerationWorker).options(
             num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
-            max_concurrency=c.units_in_flight + 2).remote(self.cfg, name, index, incarnation)
+            max_concurrency=self.max_units + 2).remote(self.cfg, name, index, incarnation)
         return _Worker(name, index, incarnation, actor)
 
     def start(self) -> list[dict]:
@@ -162,15 +174,12 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], run_stats: dict) -> None:
     bar = tqdm(total=rows_total, unit="row", disable=not cfg.run.progress, smoothing=0.1)
     committed_rows, t0, last_poll = 0, time.perf_counter(), 0.0
     while queue or any(w.units for w in pool.workers):
-        for w in pool.alive:
-            while queue and len(w.units) < cfg.cluster.units_in_flight:
-                unit = queue.popleft()
-                w.units[w.actor.run_unit.remote(unit)] = unit
+        _hand_out(queue, pool)
         refs = {ref: w for w in pool.workers for ref in w.units}
         if not refs:
             raise JobFailed(f"no worker left ({run_stats['worker_restarts']} restarts used); "
                             f"{len(queue)} units not done")
-        ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=PROGRESS_EVERY_S if cfg.run.progress else None)
         for ref in ready:
             w = refs[ref]
             if ref not in w.units:                      # already re-queued with its dead worker
@@ -185,12 +194,28 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], run_stats: dict) -> None:
                 _requeue(cfg, failed, queue, attempts, run_stats, e)
                 if pool.replace(w) is not None:
                     run_stats["worker_restarts"] += 1
-        if time.perf_counter() - last_poll > 1.0:
+        if cfg.run.progress and time.perf_counter() - last_poll > PROGRESS_EVERY_S:
             last_poll = time.perf_counter()
             _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
     run_stats["generate_s"] = round(time.perf_counter() - t_first, 3)   # first unit handed out -> last commit
-    _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
+    final = pool.poll_stats()
+    run_stats["engine_step_s"] = round(final.get("step_s", 0.0), 3)   # inside engine.step()
+    run_stats["engine_steps"] = final.get("steps", 0)
+    if cfg.run.progress:
+        _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
     bar.close()
+
+
+def _hand_out(queue, pool: WorkerPool) -> None:
+    """One unit at a time to the live worker with the fewest queued rows, until every worker holds
+    max_units or the queue is empty: small jobs spread over all workers, large ones keep each full."""
+    while queue:
+        open_workers = [w for w in pool.alive if len(w.units) < pool.max_units]
+        if not open_workers:
+            return
+        w = min(open_workers, key=lambda w: (sum(u.num_rows for u in w.units.values()), w.index))
+        unit = queue.popleft()
+        w.units[w.actor.run_unit.remote(unit)] = unit
 
 
 def _requeue(cfg, failed: list[Unit], queue, attempts, run_stats, error) -> None:

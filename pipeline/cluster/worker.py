@@ -53,7 +53,8 @@ class GenerationWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "units": 0}
+        self._stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "units": 0,
+                       "step_s": 0.0}
 
     # ---- actor methods --------------------------------------------------------------------------
     def load(self) -> dict:
@@ -100,7 +101,10 @@ class GenerationWorker:
                 self._take_units(active, block=not engine.has_unfinished() and not self._feedable(active))
                 self._feed(active)
                 if engine.has_unfinished():
-                    self._route(engine.step(), active)
+                    t0 = time.perf_counter()
+                    out = engine.step()
+                    self._stats["step_s"] += time.perf_counter() - t0
+                    self._route(out, active)
                     self._drill_crash_after_steps()
                 for state in [s for s in active if s.is_done]:
                     active.remove(state)
