@@ -26,7 +26,9 @@ def load(run_url: str, kind: str, storage: StorageConfig = StorageConfig(), colu
         with fs.open(marker) as f:
             rel = json.load(f)["files"][kind]
         with fs.open(posixpath.join(path, rel), "rb") as f:
-            tables.append(pq.read_table(f, columns=columns))
+            # ParquetFile, not read_table: read_table goes through pyarrow.dataset's async scanner,
+            # whose threads aborted a driver at interpreter exit (seen once under `ray job submit`)
+            tables.append(pq.ParquetFile(f).read(columns=columns))
     return pa.concat_tables(tables) if tables else TABLES[kind].empty_table()
 
 
