@@ -15,17 +15,17 @@ import pyarrow.parquet as pq
 
 from .config import StorageConfig
 from .io.reader import filesystem
+from .io.schema import TABLES
+from .io.writer import RunOutput
 
 
 def load(run_url: str, kind: str, storage: StorageConfig = StorageConfig(), columns=None) -> pa.Table:
     """One table over the committed units' `kind` files (completions | rounds | errors)."""
-    from .io.schema import TABLES
-    fs, path = filesystem(run_url, storage)
+    root, run_id = run_url.rstrip("/").rsplit("/", 1)
     tables = []
-    for marker in sorted(fs.glob(posixpath.join(path, "_committed", "*.json"))):
-        with fs.open(marker) as f:
-            rel = json.load(f)["files"][kind]
-        with fs.open(posixpath.join(path, rel), "rb") as f:
+    for url in RunOutput(root, run_id, storage).committed_files(kind):
+        fs, path = filesystem(url, storage)
+        with fs.open(path, "rb") as f:
             # ParquetFile, not read_table: read_table goes through pyarrow.dataset's async scanner,
             # whose threads aborted a driver at interpreter exit (seen once under `ray job submit`)
             tables.append(pq.ParquetFile(f).read(columns=columns))

@@ -15,7 +15,7 @@ import pytest
 from pipeline.cluster.driver import JobFailed, run_job
 from pipeline.io.reader import InputError
 from pipeline.io.writer import OutputError
-from pipeline_util import job_config, manifest, prompt_rows, read_run, write_parquet
+from pipeline_util import job_config, job_overrides, manifest, prompt_rows, read_run, write_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -114,11 +114,7 @@ def test_driver_killed_then_rerun_skips_committed_units(tiny_model_dir, ray_head
     overrides = [f"cluster.address={ray_head.address}", "sampling.max_tokens=24", "input.rows_per_unit=2",
                  "cluster.num_workers=1"]
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), *overrides)
-    cli = [f"{k}={v}" for k, v in (
-        ("models.target", tiny_model_dir), ("models.drafter", "ngram"), ("models.dtype", "float32"),
-        ("engine.max_num_seqs", 4), ("engine.max_model_len", 256), ("engine.num_speculative_tokens", 3),
-        ("sampling.temperature", 0), ("input.path", tmp_path / "in"), ("output.path", tmp_path / "out"),
-        ("run.run_id", "t"), ("run.progress", "false"), ("cluster.num_cpus_per_worker", 1))] + overrides
+    cli = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), *overrides)  # == cfg
     proc = subprocess.Popen([sys.executable, "jobs/generate.py", *cli], env=os.environ.copy(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     markers = tmp_path / "out" / "t" / "_committed"

@@ -112,7 +112,8 @@ class RunOutput:
             if self.fs.exists(staged):
                 self.fs.makedirs(self._p(kind), exist_ok=True)
                 self.fs.mv(staged, self._p(self.data_rel(kind, uid)))
-        self.fs.rm(self._p("_staging", uid), recursive=True) if self.fs.exists(self._p("_staging", uid)) else None
+        if self.fs.exists(self._p("_staging", uid)):
+            self.fs.rm(self._p("_staging", uid), recursive=True)
 
     def roll_forward(self) -> int:
         """Publish committed units whose staged files are still there; returns how many."""
