@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.run_one import MODELS
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
@@ -47,8 +49,8 @@ def suite(model: str, n_all: int, n_b1: int) -> list[dict]:
         configs += [{"name": f"ours_none_b{batch}", "n": n_all, "args": eng("none", batch), "ref": True},
                     {"name": f"ours_adaptive_{spec}_b{batch}", "n": n_all, "args": eng(spec, batch, "--adaptive"),
                      "base": f"ours_none_b{batch}"}]
-    if VLLM_PY.exists() and spec == "ngram":    # one process per mode runs both batch settings, all repeats
-        for mode, base in (("plain", None), ("ngram", "plain")):
+    if VLLM_PY.exists():    # one process per mode runs both batch settings, all repeats
+        for mode, base in (("plain", None), (spec, "plain")):
             for batch, n in (("all", n_all), ("b1", n_b1)):
                 configs.append({"name": f"vllm_{mode}_{batch}", "n": n, "vllm": mode,
                                 **({"base": f"vllm_{base}_{batch}"} if base else {})})
@@ -66,10 +68,13 @@ def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int,
     """vLLM's CPU build in its own venv: one load, batch all and batch 1, `repeats` times each."""
     from pipeline.models import resolve_hf_dir
     arg = lambda k: common[common.index(k) + 1]
+    target, draft = MODELS[model]
     cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
-           str(resolve_hf_dir({"smollm2": "smollm2-135m-instruct"}[model])), "--prompts-json", str(prompts_file),
+           str(resolve_hf_dir(target)), "--prompts-json", str(prompts_file),
            "--max-tokens", arg("--max-tokens"), "--dtype", arg("--dtype"), "--mode", mode, "--batch", "all,1",
            "--n-b1", str(n_b1), "--repeats", str(repeats), "--max-num-batched-tokens", "4096", "--out", str(out)]
+    if mode == "draft":
+        cmd += ["--draft-dir", str(resolve_hf_dir(draft))]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     res = _run(cmd, out, env)
     if "error" in res:
@@ -201,7 +206,7 @@ def main() -> None:
 def load_runs(configs: list[dict], workdir: Path) -> dict[str, list[dict]]:
     runs = {c["name"]: sorted(workdir.glob(f"{c['name']}_[0-9].json")) for c in configs}
     runs = {k: [json.load(open(f)) for f in v] for k, v in runs.items()}
-    for mode in ("plain", "ngram"):
+    for mode in ("plain", "ngram", "draft"):
         f = workdir / f"vllm_{mode}.json"
         if f.exists():
             res = json.load(open(f))["runs"]

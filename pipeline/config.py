@@ -86,6 +86,7 @@ class EngineSection:
     num_speculative_tokens: int = 4
     adaptive: bool = False
     max_prefill_tokens: int = 512
+    packed_linear: bool = True      # CPU: reorder linear weights once for oneDNN (ignored on CUDA)
 
     def __post_init__(self):
         try:

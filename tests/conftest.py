@@ -64,7 +64,7 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
     if kind == "ngram":
         return NgramDrafter(min_n, max_n)
     method = "probabilistic" if kind == "draft-prob" else "greedy"
-    model_drafter = DraftModelDrafter(ModelRunner(draft_model, num_slots, max_len), method)
+    model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len), method)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
 
 
@@ -73,7 +73,10 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
                        adaptive=adaptive, max_prefill_tokens=max_prefill_tokens)
-    return SpecEngine(ModelRunner(target, max_num_seqs, max_model_len), drafter, cfg, list(eos), decode)
+    # The runner packs its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
+    # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
+    return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len), drafter, cfg, list(eos),
+                      decode)
 
 
 def run_requests(engine, prompts, params, arrive_every: int = 0, seeds=None, ids=None):

@@ -41,9 +41,9 @@ def test_bad_prompts(target_model):
 
 def test_mismatched_draft_vocabulary(target_model):
     other = tiny_llama(vocab=300)
-    drafter = DraftModelDrafter(ModelRunner(other, 2, 64))
+    drafter = DraftModelDrafter(ModelRunner(other, 2, 64, pack_linear=False))
     with pytest.raises(ValueError, match=r"draft vocabulary \(300\) does not match the target's \(512\)"):
-        SpecEngine(ModelRunner(target_model, 2, 64), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
+        SpecEngine(ModelRunner(target_model, 2, 64, pack_linear=False), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
 
 
 def test_bad_engine_config():

@@ -37,6 +37,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # draft length g (the maximum, when adaptive)
     adaptive: bool = False           # per-sequence g from its acceptance and measured costs; may be 0
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
+    packed_linear: bool = True       # CPU: reorder linear weights once for oneDNN (ignored elsewhere)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),

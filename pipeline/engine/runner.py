@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_linear import can_pack, pack_linears
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_mask, make_layout, register_attention
 
 
@@ -19,7 +20,7 @@ def _text_config(config):
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_model_len: int):
+    def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -30,6 +31,9 @@ class ModelRunner:
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len,
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
+        # On CPU, reorder the linear weights once for oneDNN: verifying a few tokens per sequence
+        # then costs little more than one (see cpu_linear.py). Mutates the model in place.
+        self.packed_linears = pack_linears(model) if pack_linear and can_pack(self.device, self.dtype) else 0
         # Route attention through the slot store. Calls without `slot_step` (e.g. HF generate on the
         # same model object) fall through to SDPA, so the model stays usable elsewhere.
         register_attention()
