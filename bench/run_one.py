@@ -32,6 +32,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def current_rss_mb() -> float:
+    """RSS now (after the run): the peak also counts transient load-time pages (e.g. the checkpoint's
+    memory map while the engine packs its weights)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def run_engine(args, prompts: list[list[int]]) -> dict:
     target, draft = MODELS[args.model]
     drafter = args.drafter
@@ -115,7 +122,7 @@ def main() -> None:
     res = run_engine(args, prompts) if args.mode == "engine" else run_hf(args, prompts)
     res.update({"mode": args.mode, "drafter": args.drafter, "adaptive": args.adaptive, "batch": args.batch,
                 "model": args.model, "dtype": args.dtype, "num_prompts": len(prompts),
-                "peak_rss_mb": peak_rss_mb()})
+                "peak_rss_mb": peak_rss_mb(), "end_rss_mb": current_rss_mb()})
     with open(args.out, "w") as f:
         json.dump(res, f)
 

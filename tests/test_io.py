@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import InputConfig, StorageConfig
+from pipeline.io import reader
 from pipeline.io.reader import InputError, iter_rows, plan_units
 from pipeline.io.schema import to_table
 from pipeline.io.writer import OutputError, RunOutput
@@ -67,6 +68,21 @@ def test_duplicate_ids_marked_after_first_occurrence_across_files(tmp_path):
                                            {"id": "z", "prompt": "p"}])
     units = plan_units(InputConfig(path=str(tmp_path), rows_per_unit=10), S)
     assert [u.duplicate_rows for u in units] == [(), (0, 2)]
+
+
+def test_duplicate_ids_across_units_of_one_file_read_each_file_once(tmp_path, monkeypatch):
+    rows = [{"id": f"r{i % 7}", "prompt": "p"} for i in range(20)]      # every row from 7 on repeats
+    write_parquet(tmp_path / "a.parquet", rows, row_group_size=4)
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": "r3", "prompt": "p"}, {"id": "new", "prompt": "p"}, {"prompt": "no id"})))
+    opened = []
+    real_ids = reader._ids
+    monkeypatch.setattr(reader, "_ids", lambda span, *a: opened.append(span.rel) or real_ids(span, *a))
+    units = plan_units(InputConfig(path=str(tmp_path), rows_per_unit=6), S)
+    assert sorted(opened) == ["a.parquet", "b.jsonl"]                   # one id pass per file
+    assert [(u.rel, u.start, u.duplicate_rows) for u in units] == [
+        ("a.parquet", 0, ()), ("a.parquet", 6, (7, 8, 9, 10, 11)), ("a.parquet", 12, tuple(range(12, 18))),
+        ("a.parquet", 18, (18, 19)), ("b.jsonl", 0, (0,))]
 
 
 def test_streaming_reads_only_the_units_row_groups(tmp_path, monkeypatch):

@@ -185,13 +185,15 @@ class SpecEngine:
         if not batch:
             return StepOutput()
         t0 = time.perf_counter()
-        drafts = self.drafter.propose(batch, self._draft_lengths(batch)).to(self.target.device)
+        lengths = self._draft_lengths(batch)
+        catch_up_s = self._draft_catch_up(batch, lengths) if self._lazy_draft else 0.0
+        drafts = self.drafter.propose(batch, lengths).to(self.target.device)
         _sync(self.target.device)
         t1 = time.perf_counter()
         out, target_rows = self._verify(batch, drafts)
         _sync(self.target.device)
         t2 = time.perf_counter()
-        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=t1 - t0,
+        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=t1 - t0 - catch_up_s,
                            target_tokens=target_rows, verify_s=t2 - t1, draft_steps=max(drafts.num_draft))
         result = self._commit(batch, drafts, out, t1 - t0, t2 - t1)
         self.num_steps += 1
@@ -228,12 +230,19 @@ class SpecEngine:
             times.append(time.perf_counter() - t0)
         return sorted(times[1:])[len(times[1:]) // 2]
 
+    @property
+    def _lazy_draft(self) -> bool:
+        """Adaptive mode prefills the draft model only for sequences about to draft (_draft_catch_up):
+        where the policy says g = 0 the draft model costs nothing, not even the prompt's KV."""
+        return self.config.adaptive and getattr(self.drafter, "runner", None) is not None
+
     def _admit_and_prefill(self) -> None:
         """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
-        which is the first round's input) for the target and the draft model."""
+        which is the first round's input) for the target and (unless lazy) the draft model."""
         self.scheduler.admit()
         chunks = self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed)
-        runners = [r for r in (self.target, getattr(self.drafter, "runner", None)) if r is not None]
+        draft_runner = None if self._lazy_draft else getattr(self.drafter, "runner", None)
+        runners = [r for r in (self.target, draft_runner) if r is not None]
         for group in _padding_groups(chunks):
             slots = [seq.slot for seq, _ in group]
             starts = [seq.num_computed for seq, _ in group]
@@ -246,6 +255,33 @@ class SpecEngine:
         for seq in list(self.scheduler.prefilling):
             if seq.num_computed == len(seq.prompt_ids) - 1:
                 self.scheduler.promote(seq)
+
+    def _draft_catch_up(self, batch: list[Sequence], lengths: list[int]) -> float:
+        """Bring the draft model's KV up to the committed history for sequences about to draft whose
+        draft KV lags by more than a round's usual 1-2 tokens (a new prompt, or a stretch at g = 0),
+        within the prefill token budget; a sequence still behind drafts nothing this round (its
+        lengths[b] is set to 0). Returns the seconds spent (kept out of the draft cost model)."""
+        t0 = time.perf_counter()
+        budget, chunks = self.config.max_prefill_tokens, []
+        for b, (seq, g) in enumerate(zip(batch, lengths)):
+            lag = seq.num_tokens - 1 - seq.num_draft_computed
+            if g == 0 or lag <= 2:
+                continue
+            take = min(lag, budget)
+            if take:
+                chunks.append((seq, take))
+                budget -= take
+            if take < lag:
+                lengths[b] = 0
+        runner = self.drafter.runner
+        for group in _padding_groups(chunks):
+            starts = [seq.num_draft_computed for seq, _ in group]
+            runner.forward([seq.slot for seq, _ in group], starts,
+                           [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)], logits="none")
+            for seq, n in group:
+                seq.num_draft_computed += n
+        _sync(runner.device)
+        return time.perf_counter() - t0 if chunks else 0.0
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""

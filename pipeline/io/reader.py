@@ -9,11 +9,13 @@ Knows nothing about models, tokenizers or Ray.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
+import itertools
 import json
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import fsspec
@@ -182,20 +184,34 @@ def plan_units(cfg: InputConfig, storage: StorageConfig) -> list[Unit]:
 
 def _mark_duplicates(units: list[Unit], cfg: InputConfig, storage: StorageConfig) -> list[Unit]:
     """The first occurrence of an id (in plan order) runs; later rows with the same id become
-    `duplicate_id` errors. Reads only the id column."""
+    `duplicate_id` errors. Reads only the id column, once per file."""
     seen: set[str] = set()
-    marked = []
-    for unit in units:
-        dups = []
-        for index, row in iter_rows(unit, storage, columns=[cfg.id_column]):
-            rid = row.get(cfg.id_column)
+    dups: dict[str, list[int]] = {}
+    for _, group in itertools.groupby(units, key=lambda u: u.file):
+        group = list(group)
+        span = replace(group[0], uid="", stop=group[-1].stop)      # the file's planned rows
+        stops = [u.stop for u in group]
+        for index, rid in _ids(span, cfg.id_column, storage):
             if rid is None:
                 continue
             if str(rid) in seen:
-                dups.append(index)
+                dups.setdefault(group[bisect.bisect_right(stops, index)].uid, []).append(index)
             seen.add(str(rid))
-        marked.append(Unit(**{**unit.__dict__, "duplicate_rows": tuple(dups)}) if dups else unit)
-    return marked
+    return [replace(u, duplicate_rows=tuple(dups[u.uid])) if u.uid in dups else u for u in units]
+
+
+def _ids(span: Unit, column: str, storage: StorageConfig) -> Iterator[tuple[int, object]]:
+    """(row index, id or None) over a row range, reading one column as Arrow arrays."""
+    fs, path = filesystem(span.file, storage)
+    with fs.open(path, "rb") as f:
+        if span.fmt == "jsonl":
+            for index, row in _jsonl_rows(f, span, [column]):
+                yield index, row.get(column)
+            return
+        for offset, batch in _batches(f, span, [column]):
+            if column not in batch.schema.names:
+                return
+            yield from enumerate(batch.column(column).to_pylist(), start=offset)
 
 
 def iter_rows(unit: Unit, storage: StorageConfig, columns: list[str] | None = None

@@ -1,0 +1,129 @@
+"""Adaptive draft length: the policy's choices follow its cost model, a sequence that fell to g = 0 is
+retried, and the adaptive engine stays lossless, prefilling the draft model only for sequences about
+to draft (lazy catch-up, within the prefill budget)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import greedy_reference, make_engine, mixed_prompts, run_requests
+from pipeline.engine import SamplingParams
+from pipeline.engine.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
+from pipeline.engine.request import Sequence
+
+
+def costs(verify: list[tuple[int, float]], draft: list[tuple[int, float]]) -> CostModel:
+    cm = CostModel()
+    cm.verify_curve, cm.draft_curve = verify, draft
+    return cm
+
+
+FLAT_VERIFY = [(1, 1.0), (10_000, 1.0)]          # verifying more tokens costs nothing extra
+LINEAR_VERIFY = [(1, 1.0), (10_000, 10_000.0)]   # every token costs a full forward
+CHEAP_DRAFT, COSTLY_DRAFT = [(1, 1e-6), (64, 1e-6)], [(1, 1e3), (64, 1e3)]
+
+
+def test_expected_tokens_is_the_geometric_mean_length():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_policy_drafts_when_verification_is_cheap_and_not_when_it_is_not():
+    assert AdaptiveDraftLength(4, costs(FLAT_VERIFY, CHEAP_DRAFT)).best_length(0.5, batch_size=8) == 4
+    # every verified token costs a forward: speculation can only lose, at any acceptance below 1
+    assert AdaptiveDraftLength(4, costs(LINEAR_VERIFY, CHEAP_DRAFT)).best_length(0.9, batch_size=8) == 0
+    # a free verifier but a draft step costing 1000 target forwards
+    assert AdaptiveDraftLength(4, costs(FLAT_VERIFY, COSTLY_DRAFT)).best_length(0.9, batch_size=1) == 0
+    # an n-gram drafter is free whatever the draft curve says
+    assert AdaptiveDraftLength(4, costs(FLAT_VERIFY, COSTLY_DRAFT), draft_is_free=True).best_length(0.9, 1) == 4
+
+
+def test_policy_length_grows_with_acceptance():
+    # verify cost grows mildly with tokens: a short draft pays at low acceptance, a long one at high
+    policy = AdaptiveDraftLength(8, costs([(1, 1.0), (9, 1.6)], [(1, 0.05)]))
+    lengths = [policy.best_length(a, batch_size=1) for a in (0.05, 0.3, 0.6, 0.9)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+def test_sequence_that_fell_to_zero_is_retried():
+    policy = AdaptiveDraftLength(4, costs([(1, 1.0), (5, 1.3)], [(1, 0.1)]))
+    seq = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=1000), 0)
+    assert policy.choose([seq])[0] > 0                                       # the prior drafts
+    for _ in range(20):                                                      # every draft rejected
+        policy.update(seq, max(policy.choose([seq])[0], 1), 0)
+    assert policy.choose([seq]) == [0]
+    for rounds_at_zero in range(1, 100):                                     # rounds without drafts
+        policy.update(seq, 0, 0)
+        if policy.choose([seq])[0] > 0:
+            break
+    else:
+        pytest.fail("a sequence at g = 0 must drift back to the prior and draft again")
+    assert rounds_at_zero > 1
+
+
+def _force(engine, verify, draft):
+    """Fix the engine's cost curves (skips calibration; online rescaling keeps their shape)."""
+    engine.costs.verify_curve, engine.costs.draft_curve = list(verify), list(draft)
+
+
+@pytest.mark.parametrize("kind", ["draft-greedy", "hybrid", "ngram"])
+def test_adaptive_engine_is_lossless_and_drafts_lazily(target_model, draft_model, kind):
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, max_model_len=128, g=4,
+                         adaptive=True, max_prefill_tokens=24)
+    _force(engine, FLAT_VERIFY, CHEAP_DRAFT)
+    prompts = mixed_prompts(16, target_model.config.vocab_size, seed=21)
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=16, temperature=0), arrive_every=2)
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 16), f"prompt {i}"
+    assert sum(r.accepted for r in rounds) > 0 and sum(r.draft_len - r.accepted for r in rounds) > 0
+    runner = getattr(engine.drafter, "runner", None)
+    if runner is not None:   # each sequence's draft KV was built once: prompts + committed tokens, no more
+        committed = sum(len(p) + len(done[str(i)].output_ids) for i, p in enumerate(prompts))
+        assert 0 < runner.num_forward_tokens <= committed + sum(r.draft_len for r in rounds)
+
+
+def test_adaptive_at_zero_never_runs_the_draft_model(target_model, draft_model):
+    engine = make_engine(target_model, "draft-greedy", draft_model, max_num_seqs=4, max_model_len=128, g=4,
+                         adaptive=True)
+    _force(engine, LINEAR_VERIFY, COSTLY_DRAFT)
+    prompts = mixed_prompts(8, target_model.config.vocab_size, seed=22)
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert all(r.draft_len == 0 for r in rounds)
+    assert engine.drafter.runner.num_forward_tokens == 0           # not even the prompts' KV
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 12)
+
+
+@torch.no_grad()
+def _layer0_keys(model, tokens: list[int]) -> torch.Tensor:
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+    return cache.layers[0].keys[0]
+
+
+def test_lazy_catch_up_builds_the_drafts_kv_exactly(target_model, draft_model):
+    """Long prompts, a small prefill budget: the draft's KV is caught up over several steps (the
+    sequence drafts nothing meanwhile) and then holds exactly the committed history's keys."""
+    engine = make_engine(target_model, "draft-prob", draft_model, max_num_seqs=3, max_model_len=160, g=3,
+                         adaptive=True, max_prefill_tokens=16)
+    _force(engine, FLAT_VERIFY, CHEAP_DRAFT)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(target_model.config.vocab_size, (100,), generator=gen).tolist() for _ in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.8), seed=i)
+    seen_drafting = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        for r in out.rounds:
+            seq = next((s for s in engine.scheduler.running if s.request_id == r.request_id), None)
+            if seq is None:
+                continue
+            assert seq.num_draft_computed <= seq.num_tokens - 1
+            if r.draft_len > 0:
+                seen_drafting += 1
+                n = seq.num_draft_computed
+                got = engine.drafter.runner.cache.keys[0][seq.slot, :, :n]
+                torch.testing.assert_close(got, _layer0_keys(draft_model, seq.all_ids()[:n]), atol=2e-4, rtol=1e-4)
+    assert seen_drafting > 0
