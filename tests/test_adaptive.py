@@ -40,6 +40,15 @@ def test_policy_drafts_when_verification_is_cheap_and_not_when_it_is_not():
     assert AdaptiveDraftLength(4, costs(FLAT_VERIFY, COSTLY_DRAFT), draft_is_free=True).best_length(0.9, 1) == 4
 
 
+def test_draft_model_must_beat_plain_decoding_by_the_margin():
+    # verify flat, draft step 0.15 of a forward: at alpha 0.2, g = 1 predicts 1.2 / 1.15 = +4%
+    cm = costs(FLAT_VERIFY, [(1, 0.15)])
+    assert AdaptiveDraftLength(4, cm, draft_margin=0.0).best_length(0.2, 1) == 1
+    assert AdaptiveDraftLength(4, cm, draft_margin=0.1).best_length(0.2, 1) == 0
+    assert AdaptiveDraftLength(4, cm, draft_margin=0.1, draft_is_free=True).best_length(0.2, 1) > 0
+    assert AdaptiveDraftLength(4, cm, draft_margin=0.1).best_length(0.8, 1) > 0     # a clear gain drafts
+
+
 def test_policy_length_grows_with_acceptance():
     # verify cost grows mildly with tokens: a short draft pays at low acceptance, a long one at high
     policy = AdaptiveDraftLength(8, costs([(1, 1.0), (9, 1.6)], [(1, 0.05)]))
