@@ -58,18 +58,31 @@ def test_policy_length_grows_with_acceptance():
 
 def test_sequence_that_fell_to_zero_is_retried():
     policy = AdaptiveDraftLength(4, costs([(1, 1.0), (5, 1.3)], [(1, 0.1)]))
-    seq = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=1000), 0)
-    assert policy.choose([seq])[0] > 0                                       # the prior drafts
-    for _ in range(20):                                                      # every draft rejected
-        policy.update(seq, max(policy.choose([seq])[0], 1), 0)
-    assert policy.choose([seq]) == [0]
+    good = Sequence("good", [1, 2, 3], SamplingParams(max_tokens=1000), 0)
+    bad = Sequence("bad", [1, 2, 3], SamplingParams(max_tokens=1000), 0)
+    assert policy.choose([bad])[0] > 0                                       # no evidence yet: explore
+    for _ in range(20):         # the draft model is good on most sequences, useless on this one
+        policy.update(good, 4, 4)
+        policy.update(bad, max(policy.choose([bad])[0], 1), 0)
+    assert policy.has_evidence and policy.choose([good])[0] > 0
+    assert policy.choose([bad]) == [0]
     for rounds_at_zero in range(1, 100):                                     # rounds without drafts
-        policy.update(seq, 0, 0)
-        if policy.choose([seq])[0] > 0:
+        policy.update(bad, 0, 0)
+        if policy.choose([bad])[0] > 0:
             break
     else:
-        pytest.fail("a sequence at g = 0 must drift back to the prior and draft again")
+        pytest.fail("a sequence at g = 0 must drift back to the engine-wide prior and draft again")
     assert rounds_at_zero > 1
+
+
+def test_new_sequences_start_from_the_observed_acceptance():
+    cm = costs([(1, 1.0), (2, 1.05), (3, 1.1)], [(1, 0.3)])
+    policy = AdaptiveDraftLength(2, cm)
+    old = Sequence("old", [1], SamplingParams(max_tokens=1000), 0)
+    for _ in range(30):
+        policy.update(old, 2, 0)                                             # every draft rejected
+    assert policy.acceptance("new") < 0.1
+    assert policy.choose([Sequence("new", [1], SamplingParams(max_tokens=1000), 0)]) == [0]
 
 
 def _force(engine, verify, draft):

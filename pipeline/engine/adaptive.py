@@ -10,7 +10,9 @@ would cost more than it saves. V and D are piecewise-linear curves measured by a
 (SpecEngine.calibrate) and rescaled online by the ratio of observed to predicted step times.
 
 Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
-(geometric model), with a weak prior so a sequence that fell to g = 0 is retried later.
+(geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
+model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
+margin (10%): its prompt catch-up is not in the model and the calibration is noisy.
 """
 from __future__ import annotations
 
@@ -73,37 +75,55 @@ def expected_tokens(alpha: float, g: int) -> float:
 
 class AdaptiveDraftLength:
     def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
-                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1):
+                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1,
+                 evidence_tokens: int = 16):
         self.max_draft, self.costs, self.draft_is_free = max_draft, costs, draft_is_free
-        self.draft_margin = draft_margin
+        self.draft_margin, self.evidence_tokens = draft_margin, evidence_tokens
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
+        self._engine_stats = [0.0, 0.0]                # all sequences: [accepted, rejections] (decayed)
+        self._drafted = 0                              # draft tokens verified, all time
+
+    @property
+    def has_evidence(self) -> bool:
+        """A draft model's acceptance has been observed on enough tokens to act on it."""
+        return not self.draft_is_free and self._drafted >= self.evidence_tokens
+
+    def _prior(self) -> float:
+        """A draft model's engine-wide acceptance once observed (new sequences start from it);
+        the fixed prior before that, and always for n-gram lookup (its acceptance is per prompt)."""
+        if not self.has_evidence:
+            return self.prior
+        acc, rej = self._engine_stats
+        return (acc + self.prior) / (acc + rej + 1.0)
 
     def acceptance(self, request_id: str) -> float:
         acc, rej = self._stats.get(request_id, (0.0, 0.0))
-        return (acc + self.prior * self.prior_weight) / (acc + rej + self.prior_weight)
+        return (acc + self._prior() * self.prior_weight) / (acc + rej + self.prior_weight)
 
     def update(self, seq, num_draft: int, num_accepted: int) -> None:
-        stats = self._stats.setdefault(seq.request_id, [0.0, 0.0])
-        stats[0] *= self.decay
-        stats[1] *= self.decay
-        stats[0] += num_accepted
-        stats[1] += 1.0 if num_accepted < num_draft else 0.0
+        rejected = 1.0 if num_accepted < num_draft else 0.0
+        for stats, decay in ((self._stats.setdefault(seq.request_id, [0.0, 0.0]), self.decay),
+                             (self._engine_stats, 0.99)):
+            stats[0] = stats[0] * decay + num_accepted
+            stats[1] = stats[1] * decay + rejected
+        self._drafted += num_draft
         if seq.is_finished:
             del self._stats[seq.request_id]
 
-    def best_length(self, alpha: float, batch_size: int) -> int:
+    def best_length(self, alpha: float, batch_size: int, margin: float | None = None) -> int:
         """The g maximising tokens per second. With a draft model, drafting must beat g = 0 by
-        `draft_margin`: the model leaves out the draft's prompt catch-up and the calibration is
-        noisy, so a predicted gain of a few percent is a measured loss (Qwen 0.5B -> 1.5B at batch 8:
-        predicted 1.00x, measured 0.83x)."""
+        `margin` (default draft_margin): the model leaves out the draft's prompt catch-up and the
+        calibration is noisy, so a predicted gain of a few percent is a measured loss (Qwen 0.5B ->
+        1.5B at batch 8: predicted 1.00x, measured 0.83x)."""
+        margin = self.draft_margin if margin is None else margin
         best_g, best_rate = 0, 0.0
         for g in range(self.max_draft + 1):
             cost = self.costs.verify_cost(batch_size * (g + 1))
             cost += 0.0 if self.draft_is_free else g * self.costs.draft_cost(batch_size)
             rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
             if g > 0 and not self.draft_is_free:
-                rate /= 1.0 + self.draft_margin
+                rate /= 1.0 + margin
             if rate > best_rate * 1.0001:
                 best_g, best_rate = g, rate
         return best_g
@@ -111,4 +131,6 @@ class AdaptiveDraftLength:
     def choose(self, batch) -> list[int]:
         if not self.costs.is_calibrated:
             return [self.max_draft] * len(batch)
-        return [self.best_length(self.acceptance(s.request_id), len(batch)) for s in batch]
+        # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
+        margin = None if self.has_evidence else 0.0
+        return [self.best_length(self.acceptance(s.request_id), len(batch), margin) for s in batch]
