@@ -4,13 +4,13 @@ A speculative round verifies a few tokens per sequence, so the target's linears 
 a handful of rows (M = 2..200). On CPU, torch's default `F.linear` (MKL sgemm on a plain weight) is
 slow exactly there: measured on this project's 2-core box (fp32, a [8960 x 1536] Qwen MLP weight), five rows
 cost 3.6x one row, so verifying 4 draft tokens cost ~2.5 plain steps and ate most of the gain.
-Reordering each weight once into oneDNN's blocked layout (what torch's own compiler does for frozen
-CPU linears) makes five rows cost ~1.3x one row, and 40 rows ~2x less than `F.linear`.
+Reordering each weight once into oneDNN's blocked layout (torch's own `mkldnn` ops) makes five
+rows cost ~1.3x one row, and 40 rows ~2x less than `F.linear` (bench/linear_kernels.py).
 
 Memory: the packed weight replaces the dense one inside the module. Packing reads every dense weight,
 so while it runs the checkpoint's memory-mapped pages count in RSS too: peak RSS at load is about
-dense + packed (measured: Qwen2.5-1.5B fp32 12.3 GB at the peak, 7.3 GB after). A weight shared with the input
-embedding (tied lm_head) stays dense for the embedding and is packed once more here, which costs
+dense + packed (measured: Qwen2.5-1.5B fp32 12.3 GB at the peak, 7.3 GB after). A weight shared
+with the input embedding (tied lm_head) stays dense for the embedding and is packed once more here, which costs
 its size in memory (SmolLM2-135M: 113 MB fp32; Qwen2.5-1.5B: 0.9 GB).
 
 Numerics: a packed linear's rows are as close to `F.linear`'s as `F.linear`'s own rows are to each
