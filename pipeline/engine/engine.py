@@ -114,6 +114,16 @@ def _padding_groups(chunks: list, slack: float = 1.25) -> list[list]:
     return groups
 
 
+def _forward_history(runners: list[ModelRunner], chunks: list, computed: Callable[[Sequence], int]) -> None:
+    """KV (no logits) for chunks (seq, n): the n tokens of each sequence's history after its first
+    `computed(seq)` positions, in low-padding groups, through every runner. Callers move the lengths."""
+    for group in _padding_groups(chunks):
+        starts = [computed(seq) for seq, _ in group]
+        tokens = [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)]
+        for runner in runners:
+            runner.forward([seq.slot for seq, _ in group], starts, tokens, logits="none")
+
+
 class SpecEngine:
     def __init__(self, target: ModelRunner, drafter=None, config: EngineConfig | None = None,
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None):
@@ -243,15 +253,10 @@ class SpecEngine:
         chunks = self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed)
         draft_runner = None if self._lazy_draft else getattr(self.drafter, "runner", None)
         runners = [r for r in (self.target, draft_runner) if r is not None]
-        for group in _padding_groups(chunks):
-            slots = [seq.slot for seq, _ in group]
-            starts = [seq.num_computed for seq, _ in group]
-            tokens = [seq.prompt_ids[start:start + n] for (seq, n), start in zip(group, starts)]
-            for runner in runners:
-                runner.forward(slots, starts, tokens, logits="none")
-            for seq, n in group:
-                seq.num_computed += n
-                seq.num_draft_computed = seq.num_computed if len(runners) > 1 else 0
+        _forward_history(runners, chunks, lambda seq: seq.num_computed)
+        for seq, n in chunks:
+            seq.num_computed += n
+            seq.num_draft_computed = seq.num_computed if len(runners) > 1 else 0
         for seq in list(self.scheduler.prefilling):
             if seq.num_computed == len(seq.prompt_ids) - 1:
                 self.scheduler.promote(seq)
@@ -274,12 +279,9 @@ class SpecEngine:
             if take < lag:
                 lengths[b] = 0
         runner = self.drafter.runner
-        for group in _padding_groups(chunks):
-            starts = [seq.num_draft_computed for seq, _ in group]
-            runner.forward([seq.slot for seq, _ in group], starts,
-                           [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)], logits="none")
-            for seq, n in group:
-                seq.num_draft_computed += n
+        _forward_history([runner], chunks, lambda seq: seq.num_draft_computed)
+        for seq, n in chunks:
+            seq.num_draft_computed += n
         _sync(runner.device)
         return time.perf_counter() - t0 if chunks else 0.0
 
