@@ -85,6 +85,41 @@ def test_new_sequences_start_from_the_observed_acceptance():
     assert policy.choose([Sequence("new", [1], SamplingParams(max_tokens=1000), 0)]) == [0]
 
 
+def test_calibration_curves_are_made_non_decreasing():
+    noisy = [(1, 1.0), (2, 3.0), (4, 2.0), (8, 5.0), (16, 4.0), (32, 4.5)]
+    fitted = CostModel.monotone(noisy)
+    assert [x for x, _ in fitted] == [x for x, _ in noisy]
+    assert [y for _, y in fitted] == pytest.approx([1.0, 2.5, 2.5, 4.5, 4.5, 4.5])
+    assert sum(y for _, y in fitted) == pytest.approx(sum(y for _, y in noisy))   # least squares keeps the mean
+    clean = [(1, 1.0), (2, 1.1), (4, 1.3)]
+    assert CostModel.monotone(clean) == clean
+
+
+# Draft step = half a forward: at the prior acceptance (0.5) no length pays, at 0.9 g = 1 would.
+HALF_FORWARD_DRAFT = [(1, 0.5), (64, 0.5)]
+MILD_VERIFY = [(1, 1.0), (5, 1.3), (10_000, 2_500.0)]
+
+
+def test_an_unknown_draft_is_explored_by_one_sequence_until_its_acceptance_is_known():
+    policy = AdaptiveDraftLength(4, costs(MILD_VERIFY, HALF_FORWARD_DRAFT))
+    assert policy.best_length(0.5, 1) == 0 and policy.best_length(0.9, 1) > 0
+    seqs = [Sequence(str(i), [1, 2], SamplingParams(max_tokens=1000), 0) for i in range(3)]
+    lengths = policy.choose(seqs[:1])
+    assert lengths[0] >= 1                              # alone and unknown: it explores
+    # at batch 3 the same curves (verify ~ tokens beyond 5) still reward a good draft: one explores
+    lengths = policy.choose(seqs)
+    assert lengths[0] >= 1 and lengths[1:] == [0, 0]
+    while not policy.has_evidence:                      # the draft turns out good
+        policy.update(seqs[0], lengths[0], lengths[0])
+    assert all(g > 0 for g in policy.choose(seqs[:1]))  # engine-wide acceptance now says: draft
+    bad = AdaptiveDraftLength(4, costs(MILD_VERIFY, HALF_FORWARD_DRAFT))
+    while not bad.has_evidence:                         # the draft turns out useless
+        bad.update(seqs[0], 2, 0)
+    assert bad.choose(seqs) == [0, 0, 0]                # evidence ends exploration
+    # nothing to learn: even a 0.9 acceptance could not pay for these costs
+    assert AdaptiveDraftLength(4, costs(LINEAR_VERIFY, COSTLY_DRAFT)).choose(seqs) == [0, 0, 0]
+
+
 def _force(engine, verify, draft):
     """Fix the engine's cost curves (skips calibration) and turn off their online rescaling, which
     would pull them towards this machine's measured step times and make the policy timing-dependent
@@ -152,3 +187,27 @@ def test_lazy_catch_up_builds_the_drafts_kv_exactly(target_model, draft_model):
                 got = engine.drafter.runner.cache.keys[0][seq.slot, :, :n]
                 torch.testing.assert_close(got, _layer0_keys(draft_model, seq.all_ids()[:n]), atol=2e-4, rtol=1e-4)
     assert seen_drafting > 0
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model, draft_model, good):
+    """The failure this guards against: a pessimistic calibration (prior 0.5 predicts no gain) kept
+    g = 0 for a whole Qwen run although the draft's acceptance was 0.84. A perfect draft (the target
+    itself) is found out by exploring and then drafts everywhere; the noisy-copy draft (acceptance
+    ~0.07 here) stops once its acceptance is known, after ~evidence_tokens draft tokens."""
+    engine = make_engine(target_model, "draft-greedy", target_model if good else draft_model, max_num_seqs=2,
+                         max_model_len=128, g=4, adaptive=True)
+    _force(engine, MILD_VERIFY, HALF_FORWARD_DRAFT)
+    prompts = mixed_prompts(6, target_model.config.vocab_size, seed=23)
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
+    assert engine.policy.has_evidence
+    drafted = sum(r.draft_len for r in rounds)
+    if good:
+        assert sum(r.accepted for r in rounds) == drafted
+        late = [r for r in rounds if r.request_id in ("4", "5")]
+        # everyone drafts now, but in each sequence's last round (max_tokens caps g at 0)
+        assert late and sum(r.draft_len == 0 for r in late) <= 2
+    else:
+        assert engine.policy.evidence_tokens <= drafted <= engine.policy.evidence_tokens + 2 * 4
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 24)

@@ -12,7 +12,10 @@ would cost more than it saves. V and D are piecewise-linear curves measured by a
 Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
 (geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
 model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
-margin (10%): its prompt catch-up is not in the model and the calibration is noisy.
+margin (10%): its prompt catch-up is not in the model and the calibration is noisy. Until then, if
+no sequence would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts
+anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the
+acceptance that would correct it is never observed.
 """
 from __future__ import annotations
 
@@ -29,6 +32,20 @@ class CostModel:
     @property
     def is_calibrated(self) -> bool:
         return bool(self.verify_curve)
+
+    @staticmethod
+    def monotone(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The closest non-decreasing curve (least squares, pool-adjacent-violators): a forward over
+        more tokens or rows never takes less time, and a noisy point that says otherwise (one Qwen
+        calibration had V(2) > V(5)) would make the policy prefer or avoid a length for no reason."""
+        blocks: list[list[float]] = []                    # [mean, count]
+        for _, y in curve:
+            blocks.append([y, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+        ys = [m for m, n in blocks for _ in range(int(n))]
+        return [(x, y) for (x, _), y in zip(curve, ys)]
 
     @staticmethod
     def _interp(curve: list[tuple[int, float]], x: float) -> float:
@@ -76,9 +93,9 @@ def expected_tokens(alpha: float, g: int) -> float:
 class AdaptiveDraftLength:
     def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
                  prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1,
-                 evidence_tokens: int = 16):
+                 evidence_tokens: int = 16, explore_alpha: float = 0.9):
         self.max_draft, self.costs, self.draft_is_free = max_draft, costs, draft_is_free
-        self.draft_margin, self.evidence_tokens = draft_margin, evidence_tokens
+        self.draft_margin, self.evidence_tokens, self.explore_alpha = draft_margin, evidence_tokens, explore_alpha
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
         self._engine_stats = [0.0, 0.0]                # all sequences: [accepted, rejections] (decayed)
@@ -111,14 +128,14 @@ class AdaptiveDraftLength:
         if seq.is_finished:
             del self._stats[seq.request_id]
 
-    def best_length(self, alpha: float, batch_size: int, margin: float | None = None) -> int:
+    def best_length(self, alpha: float, batch_size: int, margin: float | None = None, min_g: int = 0) -> int:
         """The g maximising tokens per second. With a draft model, drafting must beat g = 0 by
         `margin` (default draft_margin): the model leaves out the draft's prompt catch-up and the
         calibration is noisy, so a predicted gain of a few percent is a measured loss (Qwen 0.5B ->
-        1.5B at batch 8: predicted 1.00x, measured 0.83x)."""
+        1.5B at batch 8: predicted 1.00x, measured 0.83x). `min_g`: the best length of at least that."""
         margin = self.draft_margin if margin is None else margin
-        best_g, best_rate = 0, 0.0
-        for g in range(self.max_draft + 1):
+        best_g, best_rate = min_g, 0.0
+        for g in range(min_g, self.max_draft + 1):
             cost = self.costs.verify_cost(batch_size * (g + 1))
             cost += 0.0 if self.draft_is_free else g * self.costs.draft_cost(batch_size)
             rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
@@ -133,4 +150,10 @@ class AdaptiveDraftLength:
             return [self.max_draft] * len(batch)
         # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
         margin = None if self.has_evidence else 0.0
-        return [self.best_length(self.acceptance(s.request_id), len(batch), margin) for s in batch]
+        lengths = [self.best_length(self.acceptance(s.request_id), len(batch), margin) for s in batch]
+        if (batch and not any(lengths) and not self.draft_is_free and not self.has_evidence
+                and self.best_length(self.explore_alpha, len(batch), 0.0) > 0):
+            # Explore: the oldest sequence drafts (its draft KV is caught up once) until the draft's
+            # acceptance is known; bounded by evidence_tokens draft tokens per engine.
+            lengths[0] = self.best_length(self.acceptance(batch[0].request_id), len(batch), 0.0, min_g=1)
+        return lengths

@@ -220,11 +220,13 @@ class SpecEngine:
         context = min(self.config.max_model_len // 2, 384)
         max_tokens = slots * (g + 1)
         sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {slots * (g + 1)})
-        self.costs.verify_curve = [(t, self._time_forward(self.target, t, slots, context, repeats)) for t in sizes]
+        self.costs.verify_curve = CostModel.monotone(
+            [(t, self._time_forward(self.target, t, slots, context, repeats)) for t in sizes])
         runner = getattr(self.drafter, "runner", None)
         if runner is not None:
             rows = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
-            self.costs.draft_curve = [(r, self._time_forward(runner, r, r, context, repeats)) for r in rows]
+            self.costs.draft_curve = CostModel.monotone(
+                [(r, self._time_forward(runner, r, r, context, repeats)) for r in rows])
 
     @staticmethod
     def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int) -> float:
