@@ -120,6 +120,36 @@ def test_an_unknown_draft_is_explored_by_one_sequence_until_its_acceptance_is_kn
     assert AdaptiveDraftLength(4, costs(LINEAR_VERIFY, COSTLY_DRAFT)).choose(seqs) == [0, 0, 0]
 
 
+def test_a_lagging_draft_kv_is_caught_up_only_where_drafting_pays_it_back():
+    """Qwen at batch 4: drafting was predicted to pay, but building three prompts' draft KV (5.9 s)
+    cost more than the few rounds left could save. Here: V flat, D = 0.1, prefill 0.01 s/token."""
+    cm = costs(FLAT_VERIFY, [(1, 0.1), (64, 0.1)])
+    cm.draft_prefill_s = 0.01
+    policy = AdaptiveDraftLength(4, cm)
+    alpha, g = 0.8, policy.best_length(0.8, 4)
+    # one round at g saves C(0) - C(g) / E(g) = 1 - (1 + 0.1 g) / E(g) per token, shared by 4 rows
+    saved_per_token = (1.0 - (1.0 + 0.1 * g) / expected_tokens(alpha, g)) / 4
+    assert g > 0 and saved_per_token > 0
+    lag = 200                                          # 2 s of catch-up
+    breakeven = 2.0 / saved_per_token
+    assert not policy.catch_up_pays(alpha, g, 4, lag, remaining=int(breakeven * 0.9))
+    assert policy.catch_up_pays(alpha, g, 4, lag, remaining=int(breakeven * 1.1) + 1)
+
+    def seq(rid, prompt_len, max_tokens, computed):
+        s = Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0)
+        s.num_draft_computed = computed
+        return s
+    while not policy.has_evidence:                     # a good draft, known
+        policy.update(seq("x", 1, 1000, 0), 4, 4)
+    short = seq("short", 201, 4, 0)                    # 200 positions behind, 4 tokens left
+    long = seq("long", 201, 1000, 0)                   # 200 behind, up to 1000 tokens left
+    warm = seq("warm", 201, 4, 200)                    # caught up: nothing to pay
+    lengths = policy.choose([short, long, warm, seq("w2", 201, 4, 200)])
+    assert lengths[0] == 0 and lengths[1] > 0 and lengths[2] > 0
+    cm.draft_prefill_s = 0.0                           # without a measured prefill cost: no gate
+    assert policy.choose([short])[0] > 0
+
+
 def _force(engine, verify, draft):
     """Fix the engine's cost curves (skips calibration) and turn off their online rescaling, which
     would pull them towards this machine's measured step times and make the policy timing-dependent
@@ -211,3 +241,20 @@ def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model
         assert engine.policy.evidence_tokens <= drafted <= engine.policy.evidence_tokens + 2 * 4
     for i, prompt in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 24)
+
+
+def test_calibration_measures_non_decreasing_curves_and_the_drafts_prefill(target_model, draft_model):
+    """The policy on this machine's own measured costs (no forced curves): the curves cover 1 token up
+    to a full verify step, never decrease, and the engine stays lossless whatever they say."""
+    engine = make_engine(target_model, "draft-greedy", draft_model, max_num_seqs=4, max_model_len=128, g=3,
+                         adaptive=True)
+    engine.calibrate()
+    for curve, top in ((engine.costs.verify_curve, 4 * 4), (engine.costs.draft_curve, 4)):
+        xs, ys = [x for x, _ in curve], [y for _, y in curve]
+        assert xs[0] == 1 and xs[-1] == top and xs == sorted(set(xs))
+        assert all(y > 0 for y in ys) and ys == sorted(ys)
+    assert engine.costs.draft_prefill_s > 0
+    prompts = mixed_prompts(8, target_model.config.vocab_size, seed=24)
+    done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0), arrive_every=1)
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 12)

@@ -15,7 +15,10 @@ model the prior is the engine-wide acceptance once observed, and drafting must t
 margin (10%): its prompt catch-up is not in the model and the calibration is noisy. Until then, if
 no sequence would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts
 anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the
-acceptance that would correct it is never observed.
+acceptance that would correct it is never observed. A sequence whose draft KV lags its history (a
+new prompt, or a stretch at g = 0) must first be caught up (a draft prefill of `lag` tokens,
+P per token): it drafts only if the time drafting saves over its remaining tokens R,
+R * (C(0) - C(g) / E(g)) / B, exceeds lag * P.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class CostModel:
     def __init__(self, ema: float = 0.1):
         self.verify_curve: list[tuple[int, float]] = []    # (tokens, seconds)
         self.draft_curve: list[tuple[int, float]] = []     # (rows, seconds per draft step)
+        self.draft_prefill_s = 0.0                          # draft prefill seconds per token
         self.verify_scale = self.draft_scale = 1.0
         self.ema = ema
 
@@ -79,8 +83,13 @@ class CostModel:
         if draft_steps and predicted > 0:
             self.draft_scale += self.ema * (draft_s / predicted - self.draft_scale)
 
-    def round_cost(self, batch_size: int, g: int) -> float:
-        return self.verify_cost(batch_size * (g + 1)) + g * self.draft_cost(batch_size)
+    def round_cost(self, batch_size: int, g: int, draft_is_free: bool = False) -> float:
+        """A step of batch_size sequences all drafting g tokens (V + g D)."""
+        draft = 0.0 if draft_is_free else g * self.draft_cost(batch_size)
+        return self.verify_cost(batch_size * (g + 1)) + draft
+
+    def catch_up_cost(self, lag: int) -> float:
+        return self.draft_scale * self.draft_prefill_s * lag
 
 
 def expected_tokens(alpha: float, g: int) -> float:
@@ -136,8 +145,7 @@ class AdaptiveDraftLength:
         margin = self.draft_margin if margin is None else margin
         best_g, best_rate = min_g, 0.0
         for g in range(min_g, self.max_draft + 1):
-            cost = self.costs.verify_cost(batch_size * (g + 1))
-            cost += 0.0 if self.draft_is_free else g * self.costs.draft_cost(batch_size)
+            cost = self.costs.round_cost(batch_size, g, self.draft_is_free)
             rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
             if g > 0 and not self.draft_is_free:
                 rate /= 1.0 + margin
@@ -145,12 +153,28 @@ class AdaptiveDraftLength:
                 best_g, best_rate = g, rate
         return best_g
 
+    def catch_up_pays(self, alpha: float, g: int, batch_size: int, lag: int, remaining: int) -> bool:
+        """Whether building `lag` positions of draft KV pays for itself over `remaining` tokens: per
+        emitted token a step of B sequences at g costs C(g) / (B E(g)) instead of C(0) / B. The
+        remaining count is max_tokens' bound (an EOS may come sooner), so this errs towards drafting."""
+        c0, cg = self.costs.round_cost(batch_size, 0), self.costs.round_cost(batch_size, g)
+        saved = remaining * (c0 - cg / expected_tokens(alpha, g)) / batch_size
+        return saved > self.costs.catch_up_cost(lag)
+
     def choose(self, batch) -> list[int]:
         if not self.costs.is_calibrated:
             return [self.max_draft] * len(batch)
         # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
         margin = None if self.has_evidence else 0.0
-        lengths = [self.best_length(self.acceptance(s.request_id), len(batch), margin) for s in batch]
+        lengths = []
+        for s in batch:
+            alpha = self.acceptance(s.request_id)
+            g = self.best_length(alpha, len(batch), margin)
+            lag = s.num_tokens - 1 - s.num_draft_computed
+            if g and not self.draft_is_free and lag > 2 and not self.catch_up_pays(
+                    alpha, g, len(batch), lag, s.params.max_tokens - len(s.output_ids)):
+                g = 0
+            lengths.append(g)
         if (batch and not any(lengths) and not self.draft_is_free and not self.has_evidence
                 and self.best_length(self.explore_alpha, len(batch), 0.0) > 0):
             # Explore: the oldest sequence drafts (its draft KV is caught up once) until the draft's

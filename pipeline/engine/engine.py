@@ -227,9 +227,12 @@ class SpecEngine:
             rows = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
             self.costs.draft_curve = CostModel.monotone(
                 [(r, self._time_forward(runner, r, r, context, repeats)) for r in rows])
+            chunk = min(64, context)          # the lazy catch-up's prefill, per token (no logits)
+            self.costs.draft_prefill_s = self._time_forward(runner, chunk, 1, context, repeats, "none") / chunk
 
     @staticmethod
-    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int) -> float:
+    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int,
+                      logits: str = "all") -> float:
         rows = min(tokens, max_rows)
         per_row = -(-tokens // rows)
         context = min(context, runner.cache.max_len - per_row)
@@ -237,7 +240,9 @@ class SpecEngine:
         times = []
         for _ in range(repeats + 1):                       # first run is a warm-up
             t0 = time.perf_counter()
-            runner.forward(list(range(rows)), [context] * rows, inputs, logits="all").softmax(dim=-1)
+            out = runner.forward(list(range(rows)), [context] * rows, inputs, logits=logits)
+            if out is not None:
+                out.softmax(dim=-1)
             _sync(runner.device)
             times.append(time.perf_counter() - t0)
         return sorted(times[1:])[len(times[1:]) // 2]
