@@ -12,7 +12,7 @@ would cost more than it saves. V and D are piecewise-linear curves measured by a
 Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
 (geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
 model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
-margin (10%): its prompt catch-up is not in the model and the calibration is noisy. Until then, if
+margin (10%): a curve calibrated on shared cores is noisy by about that much. Until then, if
 no sequence would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts
 anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the
 acceptance that would correct it is never observed. A sequence whose draft KV lags its history (a
@@ -139,9 +139,8 @@ class AdaptiveDraftLength:
 
     def best_length(self, alpha: float, batch_size: int, margin: float | None = None, min_g: int = 0) -> int:
         """The g maximising tokens per second. With a draft model, drafting must beat g = 0 by
-        `margin` (default draft_margin): the model leaves out the draft's prompt catch-up and the
-        calibration is noisy, so a predicted gain of a few percent is a measured loss (Qwen 0.5B ->
-        1.5B at batch 8: predicted 1.00x, measured 0.83x). `min_g`: the best length of at least that."""
+        `margin` (default draft_margin): the calibration is noisy, so a predicted gain of a few
+        percent can be a measured loss. `min_g`: the best length of at least that."""
         margin = self.draft_margin if margin is None else margin
         best_g, best_rate = min_g, 0.0
         for g in range(min_g, self.max_draft + 1):
