@@ -169,8 +169,8 @@ class AdaptiveDraftLength:
         for s in batch:
             alpha = self.acceptance(s.request_id)
             g = self.best_length(alpha, len(batch), margin)
-            lag = s.num_tokens - 1 - s.num_draft_computed
-            if g and not self.draft_is_free and lag > 2 and not self.catch_up_pays(
+            lag = s.draft_catch_up
+            if g and not self.draft_is_free and lag and not self.catch_up_pays(
                     alpha, g, len(batch), lag, s.params.max_tokens - len(s.output_ids)):
                 g = 0
             lengths.append(g)

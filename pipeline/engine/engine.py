@@ -276,8 +276,8 @@ class SpecEngine:
         t0 = time.perf_counter()
         budget, chunks = self.config.max_prefill_tokens, []
         for b, (seq, g) in enumerate(zip(batch, lengths)):
-            lag = seq.num_tokens - 1 - seq.num_draft_computed
-            if g == 0 or lag <= 2:
+            lag = seq.draft_catch_up
+            if g == 0 or not lag:
                 continue
             take = min(lag, budget)
             if take:

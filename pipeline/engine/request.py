@@ -117,6 +117,14 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def draft_catch_up(self) -> int:
+        """Draft-model positions to prefill before this sequence can draft (lazy draft mode): its
+        history (all but the last token, the next round's input) beyond the draft KV, or 0 when that
+        lag is the 1-2 positions a drafting round leaves behind anyway."""
+        lag = self.num_tokens - 1 - self.num_draft_computed
+        return lag if lag > 2 else 0
+
     def commit(self, tokens: Seq[int], eos_ids: Seq[int], max_model_len: int,
                decode: Callable[[list[int]], str] | None = None) -> int:
         """Append tokens one at a time, stopping at the first stop condition. Returns how many were
