@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -19,9 +20,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .engine.engine import EngineConfig
 from .engine.request import SamplingParams
+from .io.storage import RetryPolicy
 
 DRAFTER_KINDS = ("none", "ngram", "draft", "hybrid")
 DTYPES = ("float32", "bfloat16", "float16")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(ValueError):
@@ -141,14 +144,25 @@ class StorageConfig:
     key: Optional[str] = None
     secret: Optional[str] = None
     region: Optional[str] = None
+    retries: int = 4                        # retries of a failed storage call (output writes, markers, listings)
+    retry_backoff_s: float = 0.5            # first wait before a retry; doubles per retry ...
+    retry_max_backoff_s: float = 8.0        # ... up to this (defaults: ~15 s of retries per call)
+
+    def __post_init__(self):
+        if self.retries < 0 or self.retry_backoff_s < 0 or self.retry_max_backoff_s < self.retry_backoff_s:
+            raise ConfigError("storage.retries/retry_backoff_s/retry_max_backoff_s: expected retries >= 0 "
+                              "and 0 <= backoff <= max backoff")
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.retries + 1, self.retry_backoff_s, self.retry_max_backoff_s)
 
     def with_environment(self) -> "StorageConfig":
         """Unset fields filled from the driver's AWS environment, so workers on other machines
         (whose environment the driver does not control) see the same endpoint and credentials."""
         env = os.environ.get
-        return StorageConfig(endpoint_url=self.endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"),
-                             key=self.key or env("AWS_ACCESS_KEY_ID"), secret=self.secret or env("AWS_SECRET_ACCESS_KEY"),
-                             region=self.region or env("AWS_REGION") or env("AWS_DEFAULT_REGION"))
+        return replace(self, endpoint_url=self.endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"),
+                       key=self.key or env("AWS_ACCESS_KEY_ID"), secret=self.secret or env("AWS_SECRET_ACCESS_KEY"),
+                       region=self.region or env("AWS_REGION") or env("AWS_DEFAULT_REGION"))
 
 
 @dataclass
@@ -162,10 +176,17 @@ class ClusterConfig:
                                             # next unit's rows enter before the current one drains)
     max_worker_restarts: int = 2            # replacement actors after deaths, over the whole job
     max_unit_attempts: int = 3              # a unit failing this many times fails the job
+    placement_timeout_s: float = 60         # an actor not placed by then (no capacity) is given up:
+                                            # the job goes on with the live workers, fails if none is left
+    load_timeout_s: float = 900             # a placed actor's model load must finish by then
+    stall_timeout_s: float = 600            # a worker holding units with no engine step or commit for
+                                            # this long is taken as hung: killed, its units re-queued
+    shutdown_grace_s: float = 30            # on SIGINT/SIGTERM, how long in-flight units may still commit
 
     def __post_init__(self):
         for key, low in (("num_workers", 1), ("units_in_flight", 1), ("max_unit_attempts", 1),
-                         ("max_worker_restarts", 0)):
+                         ("max_worker_restarts", 0), ("placement_timeout_s", 1), ("load_timeout_s", 1),
+                         ("stall_timeout_s", 1), ("shutdown_grace_s", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"cluster.{key}: expected >= {low}, got {getattr(self, key)}")
         if self.num_cpus_per_worker <= 0 or self.num_gpus_per_worker < 0:
@@ -177,6 +198,8 @@ class DebugConfig:
     """Failure drills for tests; leave at the defaults in real runs."""
     crash_worker_after_steps: int = 0       # first incarnation of worker 0 exits (os._exit) after N steps
     crash_before_commit: bool = False       # workers exit after writing a unit's data, before its marker
+    hang_worker_after_steps: int = 0        # first incarnation of worker 0 stops stepping after N steps
+    hang_load: bool = False                 # first incarnation of worker 0 never finishes loading
 
 
 @dataclass
@@ -185,10 +208,15 @@ class RunConfig:
     seed: int = 0                           # per-row generators are seeded from (seed, row id)
     progress: bool = True
     resume: bool = True                     # skip units already committed under this run id
+    lease_ttl_s: float = 60                 # a driver's run lease expires this long after its last
+                                            # heartbeat (every ttl/4); then another driver may take over
 
     def __post_init__(self):
-        if not self.run_id or any(c in self.run_id for c in "/\\*?"):
-            raise ConfigError(f"run.run_id: expected a plain name, got {self.run_id!r}")
+        if not RUN_ID.fullmatch(self.run_id):
+            raise ConfigError(f"run.run_id: expected 1-128 letters, digits, '.', '_' or '-', starting with "
+                              f"a letter or digit (a folder name, no path), got {self.run_id!r}")
+        if self.lease_ttl_s < 4:
+            raise ConfigError(f"run.lease_ttl_s: expected >= 4, got {self.lease_ttl_s}")
 
 
 @dataclass
@@ -236,12 +264,17 @@ def redacted(cfg: JobConfig) -> dict:
     return tree
 
 
-def config_hash(cfg: JobConfig) -> str:
-    """Stable short hash of what determines the output (goes into every output row): everything but
-    where the job runs (cluster, storage credentials), progress display and failure drills."""
+def hashed_tree(cfg: JobConfig) -> dict:
+    """What determines the output: everything but where and how the job runs (cluster, storage,
+    progress display, resume, the lease) and failure drills."""
     tree = asdict(cfg)
     for key in ("cluster", "storage", "debug"):
         tree.pop(key)
-    tree["run"].pop("progress")
-    tree["run"].pop("resume")
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+    for key in ("progress", "resume", "lease_ttl_s"):
+        tree["run"].pop(key)
+    return tree
+
+
+def config_hash(cfg: JobConfig) -> str:
+    """Stable short hash of hashed_tree (goes into every output row)."""
+    return hashlib.sha256(json.dumps(hashed_tree(cfg), sort_keys=True).encode()).hexdigest()[:16]

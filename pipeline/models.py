@@ -258,6 +258,22 @@ def resolve_hf_dir(source: str) -> Path:
     )
 
 
+def check_source(source: str) -> None:
+    """Pre-flight check, cheap enough for the driver before any actor starts: the source exists and
+    its weights are safetensors or GGUF (pickled checkpoints are refused). Raises FileNotFoundError
+    naming the source and what was found."""
+    if source in SHIPPED_MODELS:
+        _locate_chunks(source, SHIPPED_MODELS[source])
+        return
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.is_dir():
+        _require_safetensors(path)
+        return
+    resolve_hf_dir(source)                     # raises the "not a shipped model ..." error
+
+
 def load_model(spec: ModelSpec):
     """(model, tokenizer) for a spec: model in spec.dtype on spec.device, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

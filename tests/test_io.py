@@ -140,14 +140,16 @@ def test_committed_but_unpublished_unit_is_rolled_forward(tmp_path, monkeypatch)
 def test_plan_guard_refuses_another_config_or_plan(tmp_path):
     out = RunOutput(str(tmp_path), "r", S)
     units = plan_units(InputConfig(path=str(write_parquet(tmp_path / "in" / "a.parquet", prompt_rows(4, "a")))), S)
-    out.prepare(units, "hash1", {"k": 1}, resume=True)
-    out.prepare(units, "hash1", {"k": 1}, resume=True)                 # same job: fine
-    with pytest.raises(OutputError, match="another config"):
-        out.prepare(units, "hash2", {"k": 2}, resume=True)
+    tree = {"sampling": {"temperature": 0.0, "top_p": 1.0}, "run": {"seed": 0}}
+    out.prepare(units, "hash1", {"k": 1}, tree, resume=True)
+    out.prepare(units, "hash1", {"k": 1}, tree, resume=True)            # same job: fine
+    changed = {"sampling": {"temperature": 0.7, "top_p": 1.0}, "run": {"seed": 0}}
+    with pytest.raises(OutputError, match=r"another config \(sampling.temperature: recorded 0.0, now 0.7\)"):
+        out.prepare(units, "hash2", {"k": 2}, changed, resume=True)
     with pytest.raises(OutputError, match="already holds a run"):
-        out.prepare(units, "hash1", {"k": 1}, resume=False)
+        out.prepare(units, "hash1", {"k": 1}, tree, resume=False)
     with pytest.raises(OutputError, match="different units"):
-        out.prepare(units[:0], "hash1", {"k": 1}, resume=True)
+        out.prepare(units[:0], "hash1", {"k": 1}, tree, resume=True)
 
 
 def test_empty_tables_keep_their_schema(tmp_path):

@@ -87,7 +87,7 @@ def test_worker_killed_mid_unit_job_completes_exactly_once(tiny_model_dir, ray_h
     ids = _shards(tmp_path / "in", files=2, rows=9)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
                      f"cluster.address={ray_head.address}", "debug.crash_worker_after_steps=3",
-                     "sampling.max_tokens=12")
+                     "sampling.max_tokens=12", "cluster.num_workers=1")   # only the replacement can finish
     summary = run_job(cfg)
     assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
     run = read_run(tmp_path / "out" / "t")

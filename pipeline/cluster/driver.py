@@ -1,9 +1,13 @@
-"""The driver: plan units, skip committed ones, keep every worker actor busy, survive worker deaths,
-show progress, write the manifest last.
+"""The driver: plan units, skip committed ones, keep every worker actor busy, supervise them, show
+progress, write the manifest last.
 
-Failure handling: a unit whose call fails (its actor died, or the worker raised) goes back to the
-queue with its attempt count raised; a dead or broken actor is replaced while the job has restarts
-left. The job fails only when a unit has used `max_unit_attempts`, or no worker is left.
+Before any actor starts: the output location (not a file, not inside the input), the models (exist,
+no pickles), the plan, and the run lease (one live driver per run id). Then units are handed to
+ready workers; WorkerPool turns every worker failure into a verdict (see pool.py). A unit that
+failed is re-queued unless its marker shows it committed after all; a unit failing
+`max_unit_attempts` times fails the job, naming the cause. On SIGINT/SIGTERM dispatch stops,
+in-flight units get `shutdown_grace_s` to commit, and the job ends with Interrupted (what was
+committed; the same command resumes).
 
 Knows Ray, the plan and the output layout; knows nothing about models or tensors.
 """
@@ -13,33 +17,64 @@ import collections
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
-from ..config import ClusterConfig, JobConfig, config_hash, redacted
-from ..io.reader import Unit, plan_units
+from ..config import ClusterConfig, JobConfig, config_hash, hashed_tree, redacted
+from ..io.lease import LeaseHeld, acquire, owner_info
+from ..io.reader import InputError, Unit, check_output_outside_input, plan_units
 from ..io.writer import RunOutput
-from .worker import GenerationWorker
-
+from .pool import LoadFailed, WorkerPool
 
 # Driver wake-ups cost the workers' time on small machines (a woken process preempts a spinning
-# OpenMP thread), so progress is polled at most this often, and not at all with run.progress=false.
+# OpenMP thread), so progress and stalls are polled at most this often.
 PROGRESS_EVERY_S = 2.0
-MAX_UNITS_PER_WORKER = 64     # each queued unit holds one actor thread while it waits
+STALL_CHECK_EVERY_S = 10.0
+WAIT_S = 1.0                   # the dispatch loop's longest sleep: signals, deadlines, the lease
 
 
 class JobFailed(RuntimeError):
     pass
 
 
+class RunBusy(RuntimeError):
+    """Another live driver holds this run's lease."""
+
+
+class Interrupted(RuntimeError):
+    def __init__(self, signum: int, committed: int, total: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: {committed}/{total} units committed")
+        self.signum, self.committed, self.total = signum, committed, total
+
+
+class StopRequest:
+    """Set by SIGINT/SIGTERM (or a test): the first stops dispatch and lets in-flight units commit
+    for the grace period; a second abandons them at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.forced = False
+
+    def request(self, signum: int, frame=None) -> None:
+        self.forced = self.signum is not None
+        self.signum = self.signum or signum
+
+    def install(self) -> None:
+        """Handle SIGINT/SIGTERM (main thread only). Call again after ray.init: Ray installs its own
+        SIGTERM handler in the driver."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.request)
+
+
 def connect(cluster: ClusterConfig, needed_cpus: float) -> bool:
     """Join the configured cluster (or the one `ray job submit` runs us on), else start a local one
-    bound to loopback with no dashboard; Ray >= 2.52 turns token authentication on for it unless
-    RAY_AUTH_MODE says otherwise. True when we called ray.init (and so must shut it down)."""
+    bound to loopback with no dashboard, with token authentication (its token file private to this
+    user). True when we called ray.init (and so must shut it down)."""
     if ray.is_initialized():
         return False
     address = cluster.address or os.environ.get("RAY_ADDRESS")
@@ -47,103 +82,58 @@ def connect(cluster: ClusterConfig, needed_cpus: float) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return True
+    secure_local_token()
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",   # always a new one
              num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)), **quiet)
     return True
 
 
-@dataclass
-class _Worker:
-    name: str
-    index: int
-    incarnation: int
-    actor: object
-    units: dict = field(default_factory=dict)         # ref -> unit
-    is_alive: bool = True
+def secure_local_token() -> None:
+    """Ray >= 2.52 writes a new local cluster's token to ~/.ray/auth_token with the default umask
+    (0644 in a 0755 folder: any local user could take the cluster). Create it ourselves, 0600 in a
+    0700 folder, or tighten an existing one, unless a token comes from elsewhere or auth is off."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") \
+            or os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return
+    import secrets
+    folder = os.path.join(os.path.expanduser("~"), ".ray")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = os.path.join(folder, "auth_token")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    except FileExistsError:
+        os.chmod(path, 0o600)
 
 
-class WorkerPool:
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        # units queued per actor: at least units_in_flight, and enough rows that the engine has a
-        # full batch running plus a full batch waiting (else slots idle while a unit's last rows
-        # finish and its successor travels from the driver)
-        rows_wanted = 2 * cfg.engine.max_num_seqs + cfg.input.rows_per_unit
-        self.max_units = min(MAX_UNITS_PER_WORKER, max(cfg.cluster.units_in_flight,
-                                                       -(-rows_wanted // cfg.input.rows_per_unit)))
-        self.workers: list[_Worker] = []
-        self.restarts_left = cfg.cluster.max_worker_restarts
-        self.dead_stats: dict = collections.Counter()
-        self.last_stats: dict[str, dict] = {}
-
-    def _spawn(self, index: int, incarnation: int) -> _Worker:
-        c = self.cfg.cluster
-        name = f"w{index}" + (f".{incarnation}" if incarnation else "")
-        actor = ray.remote(GenerationWorker).options(
-            num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
-            max_concurrency=self.max_units + 2).remote(self.cfg, name, index, incarnation)
-        return _Worker(name, index, incarnation, actor)
-
-    def start(self) -> list[dict]:
-        """Create every actor and wait for its models: a load error fails the job before any unit."""
-        self.workers = [self._spawn(i, 0) for i in range(self.cfg.cluster.num_workers)]
-        refs = [w.actor.load.remote() for w in self.workers]
-        timeout = 900
-        try:
-            return ray.get(refs, timeout=timeout)
-        except GetTimeoutError:
-            c = self.cfg.cluster
-            raise JobFailed(f"workers not ready after {timeout} s: each needs {c.num_cpus_per_worker} CPUs and "
-                            f"{c.num_gpus_per_worker} GPUs; the cluster has {ray.cluster_resources()}") from None
-        except RayError as e:
-            raise JobFailed(f"a worker failed to load its models: {e}") from None
-
-    def replace(self, dead: _Worker) -> _Worker | None:
-        dead.is_alive = False
-        stats = self.last_stats.pop(dead.name, {})
-        self.dead_stats.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
-        try:
-            ray.kill(dead.actor)
-        except RayError:
-            pass
-        if self.restarts_left <= 0:
-            return None
-        self.restarts_left -= 1
-        new = self._spawn(dead.index, dead.incarnation + 1)
-        new.actor.load.remote()                       # run_unit waits for it inside the actor
-        self.workers.append(new)
-        return new
-
-    @property
-    def alive(self) -> list[_Worker]:
-        return [w for w in self.workers if w.is_alive]
-
-    def poll_stats(self) -> dict:
-        """Counters summed over live workers (now) and dead ones (last seen)."""
-        alive = self.alive
-        refs = [w.actor.stats.remote() for w in alive]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        for w, ref in zip(alive, refs):
-            if ref in ready:
-                try:
-                    self.last_stats[w.name] = ray.get(ref)
-                except RayError:
-                    pass
-        total = collections.Counter(self.dead_stats)
-        for s in self.last_stats.values():
-            total.update({k: v for k, v in s.items() if isinstance(v, (int, float))})
-        return total
-
-
-def run_job(cfg: JobConfig) -> dict:
-    """Run the job to a committed manifest; returns the summary. Raises JobFailed, InputError,
-    OutputError with a clear message otherwise."""
+def run_job(cfg: JobConfig, stop: StopRequest | None = None) -> dict:
+    """Run the job to a committed manifest; returns the summary. Raises InputError, OutputError or
+    RunBusy before any actor starts; JobFailed or Interrupted after."""
     t_start = time.time()
+    stop = stop or StopRequest()
     cfg = dataclasses.replace(cfg, storage=cfg.storage.with_environment())
-    units = plan_units(cfg.input, cfg.storage)
-    chash = config_hash(cfg)
     out = RunOutput(cfg.output.path, cfg.run.run_id, cfg.storage, cfg.output.compression)
-    out.prepare(units, chash, redacted(cfg), cfg.run.resume)
+    out.check_location()
+    check_output_outside_input(cfg.input, out.url, cfg.storage)
+    check_models(cfg)
+    units = plan_units(cfg.input, cfg.storage)
+    try:
+        lease = acquire(out.fs, out.lease_folder, owner_info(run_id=cfg.run.run_id), cfg.run.lease_ttl_s, out.retry)
+    except LeaseHeld as e:
+        raise RunBusy(f"run {out.url} is being generated by another driver: {e}; wait for it, or run "
+                      f"again after its lease expires ({cfg.run.lease_ttl_s:.0f} s without a heartbeat)") from None
+    try:
+        lease.start_heartbeats()
+        return _run_leased(cfg, out, units, lease, stop, t_start)
+    finally:
+        lease.release()
+
+
+def _run_leased(cfg, out: RunOutput, units: list[Unit], lease, stop: StopRequest, t_start: float) -> dict:
+    chash = config_hash(cfg)
+    out.prepare(units, chash, redacted(cfg), hashed_tree(cfg), cfg.run.resume)
     out.roll_forward()
     committed_before = out.committed()
     todo = [u for u in units if u.uid not in committed_before]
@@ -151,8 +141,9 @@ def run_job(cfg: JobConfig) -> dict:
                  "worker_restarts": 0, "workers": []}
     if todo:
         started = connect(cfg.cluster, cfg.cluster.num_workers * cfg.cluster.num_cpus_per_worker)
+        stop.install()
         try:
-            _dispatch(cfg, todo, run_stats)
+            _dispatch(cfg, todo, out, lease, stop, run_stats, len(units) - len(todo))
         finally:
             if started:
                 ray.shutdown()
@@ -163,74 +154,109 @@ def run_job(cfg: JobConfig) -> dict:
     return summary
 
 
-def _dispatch(cfg: JobConfig, todo: list[Unit], run_stats: dict) -> None:
-    pool = WorkerPool(cfg)
-    t_spawn = time.perf_counter()
-    run_stats["workers"] = pool.start()
-    run_stats["workers_ready_s"] = round(time.perf_counter() - t_spawn, 2)
-    t_first = time.perf_counter()
-    queue, attempts = collections.deque(todo), collections.Counter()
-    rows_total = sum(u.num_rows for u in todo)
-    bar = tqdm(total=rows_total, unit="row", disable=not cfg.run.progress, smoothing=0.1)
-    committed_rows, t0, last_poll = 0, time.perf_counter(), 0.0
-    while queue or any(w.units for w in pool.workers):
-        _hand_out(queue, pool)
-        refs = {ref: w for w in pool.workers for ref in w.units}
-        if not refs:
-            raise JobFailed(f"no worker left ({run_stats['worker_restarts']} restarts used); "
-                            f"{len(queue)} units not done")
-        ready, _ = ray.wait(list(refs), num_returns=1, timeout=PROGRESS_EVERY_S if cfg.run.progress else None)
-        for ref in ready:
-            w = refs[ref]
-            if ref not in w.units:                      # already re-queued with its dead worker
-                continue
-            unit = w.units.pop(ref)
-            try:
-                committed_rows += ray.get(ref)["rows"]
-                continue
-            except (RayActorError, RayTaskError) as e:
-                failed = [unit] + list(w.units.values())  # the worker's other units go back too
-                w.units.clear()
-                _requeue(cfg, failed, queue, attempts, run_stats, e)
-                if pool.replace(w) is not None:
-                    run_stats["worker_restarts"] += 1
-        if cfg.run.progress and time.perf_counter() - last_poll > PROGRESS_EVERY_S:
-            last_poll = time.perf_counter()
-            _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
-    run_stats["generate_s"] = round(time.perf_counter() - t_first, 3)   # first unit handed out -> last commit
-    final = pool.poll_stats()
+def check_models(cfg: JobConfig) -> None:
+    """The target (and draft) exist and hold safetensors/GGUF weights, before any actor starts."""
+    from ..models import check_source
+    sources = [("models.target", cfg.models.target)]
+    if cfg.models.drafter in ("draft", "hybrid"):
+        sources.append(("models.draft", cfg.models.draft))
+    for key, source in sources:
+        try:
+            check_source(source)
+        except (FileNotFoundError, KeyError) as e:
+            raise InputError(f"{key}: {e}") from None
+
+
+class _Dispatch:
+    """One dispatch loop's state: the queue, attempts, counts."""
+
+    def __init__(self, cfg: JobConfig, todo: list[Unit], out: RunOutput, run_stats: dict, committed: int):
+        self.cfg, self.out, self.run_stats = cfg, out, run_stats
+        self.queue, self.attempts = collections.deque(todo), collections.Counter()
+        self.total_units, self.committed_units, self.committed_rows = committed + len(todo), committed, 0
+
+    def account(self, outcome) -> None:
+        for unit, marker in outcome.committed:
+            self.committed_units += 1
+            self.committed_rows += marker["rows"]
+        for unit, cause in outcome.failed:
+            self.requeue(unit, cause)
+
+    def requeue(self, unit: Unit, cause: str) -> None:
+        if self.out.is_committed(unit.uid):         # its marker landed before the call failed
+            self.committed_units += 1
+            self.committed_rows += unit.num_rows
+            return
+        self.attempts[unit.uid] += 1
+        self.run_stats["unit_retries"] += 1
+        if self.attempts[unit.uid] >= self.cfg.cluster.max_unit_attempts:
+            raise JobFailed(f"unit {unit.uid} ({unit.file} rows {unit.start}-{unit.stop}) failed "
+                            f"{self.attempts[unit.uid]} times; last error: {cause}; {self.status()}")
+        self.queue.appendleft(unit)
+
+    def status(self) -> str:
+        return f"{self.committed_units}/{self.total_units} units committed"
+
+
+def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: StopRequest, run_stats: dict,
+              committed: int) -> None:
+    pool, d = WorkerPool(cfg), _Dispatch(cfg, todo, out, run_stats, committed)
+    pool.start()
+    t0 = time.perf_counter()
+    t_spawn = pool.clock()
+    bar = tqdm(total=sum(u.num_rows for u in todo), unit="row", disable=not cfg.run.progress, smoothing=0.1)
+    last_poll, poll_every = 0.0, PROGRESS_EVERY_S if cfg.run.progress else STALL_CHECK_EVERY_S
+    grace_until = None
+    try:
+        while d.queue or pool.in_flight():
+            if lease.lost.is_set():
+                raise JobFailed(f"the run lease was lost ({lease.lost_reason}); stopped without writing "
+                                f"the manifest; {d.status()}")
+            if stop.signum is not None:
+                grace_until = grace_until or time.monotonic() + cfg.cluster.shutdown_grace_s
+                if stop.forced or not pool.in_flight() or time.monotonic() > grace_until:
+                    raise Interrupted(stop.signum, d.committed_units, d.total_units)
+            else:
+                _hand_out(d.queue, pool)
+            if not pool.live:
+                raise JobFailed(f"no worker left ({pool.restarts} restarts used; {pool.gone_causes()}); "
+                                f"{d.status()}, {len(d.queue) + pool.in_flight()} not done")
+            ready, _ = ray.wait(pool.pending_refs(), num_returns=1, timeout=WAIT_S)
+            for ref in ready:
+                d.account(pool.resolve(ref))
+            d.account(pool.check_deadlines())
+            if time.perf_counter() - last_poll > poll_every:
+                last_poll = time.perf_counter()
+                stats = pool.poll_stats()
+                if cfg.run.progress:
+                    _progress(bar, stats, d.committed_rows, t0, len(pool.ready))
+        stats = pool.poll_stats(timeout=5.0)
+        if cfg.run.progress:
+            _progress(bar, stats, d.committed_rows, t0, len(pool.ready))
+    except LoadFailed as e:
+        raise JobFailed(str(e)) from None
+    finally:
+        pool.kill_all()
+        bar.close()
+    run_stats["workers"] = pool.loaded
+    run_stats["worker_restarts"] = pool.restarts
+    first_ready = min(pool.ready_times, default=t_spawn)
+    run_stats["workers_ready_s"] = round(max(pool.ready_times[:cfg.cluster.num_workers], default=t_spawn) - t_spawn, 2)
+    run_stats["generate_s"] = round(pool.clock() - first_ready, 3)    # first worker ready -> last commit
+    final = pool.dead_stats
     run_stats["engine_step_s"] = round(final.get("step_s", 0.0), 3)   # inside engine.step()
     run_stats["engine_steps"] = final.get("steps", 0)
-    if cfg.run.progress:
-        _progress(bar, pool.poll_stats(), committed_rows, t0, len(pool.alive))
-    bar.close()
 
 
 def _hand_out(queue, pool: WorkerPool) -> None:
-    """One unit at a time to the live worker with the fewest queued rows, until every worker holds
+    """One unit at a time to the ready worker with the fewest queued rows, until every worker holds
     max_units or the queue is empty: small jobs spread over all workers, large ones keep each full."""
     while queue:
-        open_workers = [w for w in pool.alive if len(w.units) < pool.max_units]
+        open_workers = [w for w in pool.ready if len(w.units) < pool.max_units]
         if not open_workers:
             return
         w = min(open_workers, key=lambda w: (sum(u.num_rows for u in w.units.values()), w.index))
-        unit = queue.popleft()
-        w.units[w.actor.run_unit.remote(unit)] = unit
-
-
-def _requeue(cfg, failed: list[Unit], queue, attempts, run_stats, error) -> None:
-    for unit in failed:
-        attempts[unit.uid] += 1
-        run_stats["unit_retries"] += 1
-        if attempts[unit.uid] >= cfg.cluster.max_unit_attempts:
-            raise JobFailed(f"unit {unit.uid} ({unit.file} rows {unit.start}-{unit.stop}) failed "
-                            f"{attempts[unit.uid]} times; last error: {_short(error)}")
-        queue.appendleft(unit)
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
+        pool.submit(w, queue.popleft())
 
 
 def _progress(bar, stats, committed_rows: int, t0: float, alive: int) -> None:

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..config import JobConfig, config_hash
@@ -40,10 +41,16 @@ class _UnitState:
     errors: list = field(default_factory=list)
     num_rows: int = 0
     started: float = field(default_factory=time.time)
+    failure: BaseException | None = None              # reading its rows failed: the unit fails, the worker lives
 
     @property
     def is_done(self) -> bool:
         return self.is_exhausted and not self.pending
+
+
+class WorkerBroken(RuntimeError):
+    """The worker cannot run units any more (its models did not load, or its engine loop died): the
+    driver replaces the actor rather than retrying units on it."""
 
 
 class GenerationWorker:
@@ -57,11 +64,27 @@ class GenerationWorker:
                        "step_s": 0.0}
 
     # ---- actor methods --------------------------------------------------------------------------
+    def ping(self) -> str:
+        """Answers as soon as the actor is placed and constructed (the driver's placement check)."""
+        return self.name
+
     def load(self) -> dict:
-        """Load models, build the engine and start its loop. Returns model ids and load time."""
+        """Load models, build the engine and start its loop. Returns model ids and load time. If it
+        raises, every later run_unit raises WorkerBroken (no call waits forever)."""
+        try:
+            return self._load()
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._ready.set()
+
+    def _load(self) -> dict:
         import torch
 
         from ..runtime import build_engine
+        if self.cfg.debug.hang_load and self._is_first_w0:
+            threading.Event().wait()                    # drill: a load that never returns
         t0 = time.perf_counter()
         # Rows are tokenized between engine steps: the tokenizer's own thread pool would spin on the
         # cores the model's OpenMP threads are using (measured: +50% step time at 2 threads/2 cores).
@@ -72,7 +95,6 @@ class GenerationWorker:
                                 self.cfg.output.compression)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="unit-writer")
         threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
-        self._ready.set()
         return {"worker": self.name, "target": self.loaded.target_id, "draft": self.loaded.draft_id,
                 "load_s": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
 
@@ -80,10 +102,15 @@ class GenerationWorker:
         """Queue a unit and block (this call's thread only) until it is committed; returns its marker."""
         self._ready.wait()
         if self._error is not None:
-            raise RuntimeError(f"worker {self.name} is broken: {self._error!r}")
+            raise WorkerBroken(f"worker {self.name} is broken: {type(self._error).__name__}: {self._error}")
         future: Future = Future()
         self._inbox.put((unit, future))
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=5)
+            except FutureTimeout:
+                if self._error is not None:             # the loop died after this unit was queued
+                    raise WorkerBroken(f"worker {self.name}: engine loop died: {self._error!r}") from None
 
     def stats(self) -> dict:
         return {**self._stats, "worker": self.name}
@@ -114,8 +141,9 @@ class GenerationWorker:
                     self._writer.submit(self._commit, state)
         except BaseException as e:  # noqa: BLE001 -- every in-flight unit must hear about it
             self._error = e
+            broken = WorkerBroken(f"worker {self.name}: engine loop died: {type(e).__name__}: {e}")
             for state in active:
-                state.future.set_exception(e)
+                state.future.set_exception(broken)
 
     @staticmethod
     def _feedable(active: list[_UnitState]) -> bool:
@@ -135,7 +163,10 @@ class GenerationWorker:
         engine = self.loaded.engine
         for state in active:
             while not state.is_exhausted and engine.num_waiting < self.cfg.engine.max_num_seqs:
-                item = next(state.rows, None)
+                try:
+                    item = next(state.rows, None)
+                except Exception as e:  # noqa: BLE001 -- storage: this unit fails, the others go on
+                    state.failure, item = e, None
                 if item is None:
                     state.is_exhausted = True
                 else:
@@ -202,6 +233,9 @@ class GenerationWorker:
     def _commit(self, state: _UnitState) -> None:
         try:
             unit = state.unit
+            if state.failure is not None:
+                raise RuntimeError(f"unit {unit.uid}: reading {unit.file} failed: "
+                                   f"{type(state.failure).__name__}: {state.failure}") from state.failure
             if len(state.completions) + len(state.errors) != unit.num_rows or state.num_rows != unit.num_rows:
                 raise RuntimeError(f"unit {unit.uid}: {unit.num_rows} rows planned, {state.num_rows} read, "
                                    f"{len(state.completions)} completions + {len(state.errors)} errors")
@@ -221,10 +255,16 @@ class GenerationWorker:
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through the unit's call
             state.future.set_exception(e)
 
+    @property
+    def _is_first_w0(self) -> bool:
+        return self.index == 0 and self.incarnation == 0
+
     def _drill_crash_after_steps(self) -> None:
-        n = self.cfg.debug.crash_worker_after_steps
-        if n and self.index == 0 and self.incarnation == 0 and self._stats["steps"] >= n:
+        d, steps = self.cfg.debug, self._stats["steps"]
+        if d.crash_worker_after_steps and self._is_first_w0 and steps >= d.crash_worker_after_steps:
             _exit_now()
+        if d.hang_worker_after_steps and self._is_first_w0 and steps >= d.hang_worker_after_steps:
+            threading.Event().wait()                    # drill: an engine loop that stops (a hang)
 
 
 def _exit_now() -> None:

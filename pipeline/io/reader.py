@@ -108,15 +108,38 @@ def discover(cfg: InputConfig, storage: StorageConfig) -> list[tuple[str, str, s
     shards = []
     for p in sorted(paths):
         fmt = fixed or _format_of(p, cfg.format)
-        name = posixpath.basename(p)
-        if fmt is None or name.startswith(("_", ".")):
+        rel = posixpath.relpath(p, base) if base and p != base else posixpath.basename(p)
+        if fmt is None or is_hidden(rel):
             continue
         url = p if protocol in ("file", "local") else f"{protocol}://{p}"
-        rel = posixpath.relpath(p, base) if base and p != base else name
         shards.append((url, rel, fmt))
     if not shards:
         raise InputError(f"input.path {cfg.path!r}: no Parquet/JSONL/Arrow files found")
     return shards
+
+
+def is_hidden(rel: str) -> bool:
+    """Paths with any component starting with "_" or "." are not data (_staging, _committed,
+    .cache, _SUCCESS...): the convention of Spark, pyarrow and `datasets`."""
+    return any(part.startswith(("_", ".")) for part in rel.split("/"))
+
+
+def check_output_outside_input(cfg: InputConfig, output_url: str, storage: StorageConfig) -> None:
+    """Refuse an output folder inside an input folder: a later run would plan its own output."""
+    in_fs, in_path = filesystem(cfg.path, storage)
+    out_fs, out_path = filesystem(output_url, storage)
+    if type(in_fs) is not type(out_fs):
+        return
+    if any(c in in_path for c in "*?["):
+        root = _glob_base(in_path)
+    elif in_fs.isdir(in_path):
+        root = in_path
+    else:
+        return                                  # a single input file has nothing under it
+    root, out_path = root.rstrip("/"), out_path.rstrip("/")
+    if out_path == root or out_path.startswith(root + "/"):
+        raise InputError(f"output.path {output_url!r} lies inside input.path {cfg.path!r}: a later run "
+                         f"would read its own output as input; choose an output folder outside the input")
 
 
 def _glob_base(pattern: str) -> str:

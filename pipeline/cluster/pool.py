@@ -1,0 +1,242 @@
+"""The worker actors and their supervision.
+
+A worker is STARTING (spawned, maybe not yet placed on a node, then loading its models), READY
+(takes units) or GONE. Every way a worker can fail ends in a verdict, never a wait:
+
+    not placed within placement_timeout_s    given up (no capacity): the job goes on without it
+    load raised                              the job fails (a model or config problem, same everywhere)
+    load not done within load_timeout_s      given up
+    actor died (node lost, OOM, os._exit)    its units are re-queued; a replacement is spawned while
+                                             restarts are left
+    a unit's task raised                     that unit is re-queued (one attempt used); the worker
+                                             stays, unless it says it is broken (WorkerBroken)
+    no engine step or commit for stall_timeout_s while holding units: killed, as if it died
+
+Knows Ray and units; knows nothing about the output layout, models or progress bars.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from ..config import JobConfig
+from ..io.reader import Unit
+from .worker import GenerationWorker, WorkerBroken
+
+STARTING, READY, GONE = "starting", "ready", "gone"
+MAX_UNITS_PER_WORKER = 64     # each queued unit holds one actor thread while it waits
+
+
+class LoadFailed(RuntimeError):
+    """A worker's model load raised: every worker would fail the same way."""
+
+
+@dataclass
+class Worker:
+    name: str
+    index: int
+    incarnation: int
+    actor: object
+    placed_ref: object
+    load_ref: object
+    spawned_at: float
+    placed_at: float | None = None
+    state: str = STARTING
+    units: dict = field(default_factory=dict)          # task ref -> unit
+    cause: str = ""                                    # why it is gone
+    progress: tuple = ()                               # last (steps, units, rows) seen
+    progress_at: float = 0.0
+
+
+@dataclass
+class Outcome:
+    """What one finished call meant for the units."""
+    committed: list = field(default_factory=list)      # (unit, marker)
+    failed: list = field(default_factory=list)         # (unit, cause): re-queue, one attempt used
+
+
+def cause_of(error: BaseException) -> str:
+    """'Type: message' of what really failed, not of Ray's wrapper."""
+    if isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    lines = str(error).strip().splitlines()
+    text = next((ln for ln in lines if ln.strip()), "")
+    return f"{type(error).__name__}: {text}"[:500]
+
+
+class WorkerPool:
+    def __init__(self, cfg: JobConfig, clock=time.monotonic):
+        self.cfg, self.clock = cfg, clock
+        # units queued per actor: at least units_in_flight, and enough rows that the engine has a
+        # full batch running plus a full batch waiting (else slots idle while a unit's last rows
+        # finish and its successor travels from the driver)
+        rows_wanted = 2 * cfg.engine.max_num_seqs + cfg.input.rows_per_unit
+        self.max_units = min(MAX_UNITS_PER_WORKER, max(cfg.cluster.units_in_flight,
+                                                       -(-rows_wanted // cfg.input.rows_per_unit)))
+        self.workers: list[Worker] = []
+        self.restarts_left = cfg.cluster.max_worker_restarts
+        self.restarts = 0
+        self.loaded: list[dict] = []                   # load() results, in the order workers became ready
+        self.ready_times: list[float] = []             # clock() when each became ready
+        self.dead_stats: dict = {}
+        self.last_stats: dict[str, dict] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        for i in range(self.cfg.cluster.num_workers):
+            self._spawn(i, 0)
+
+    def _spawn(self, index: int, incarnation: int) -> Worker:
+        c = self.cfg.cluster
+        name = f"w{index}" + (f".{incarnation}" if incarnation else "")
+        actor = ray.remote(GenerationWorker).options(
+            num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
+            max_concurrency=self.max_units + 3).remote(self.cfg, name, index, incarnation)
+        w = Worker(name, index, incarnation, actor, actor.ping.remote(), actor.load.remote(), self.clock())
+        self.workers.append(w)
+        return w
+
+    def retire(self, w: Worker, cause: str, replace: bool) -> list[Unit]:
+        """Take a worker out (killing its actor); returns its in-flight units. Spawns a replacement
+        when asked and restarts are left."""
+        w.state, w.cause = GONE, cause
+        units = list(w.units.values())
+        w.units.clear()
+        stats = self.last_stats.pop(w.name, {})
+        for k, v in stats.items():
+            if isinstance(v, (int, float)):
+                self.dead_stats[k] = self.dead_stats.get(k, 0) + v
+        try:
+            ray.kill(w.actor)
+        except RayError:
+            pass
+        if replace and self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.restarts += 1
+            self._spawn(w.index, w.incarnation + 1)
+        return units
+
+    # ---- views ----------------------------------------------------------------------------------
+    @property
+    def ready(self) -> list[Worker]:
+        return [w for w in self.workers if w.state == READY]
+
+    @property
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers if w.state != GONE]
+
+    def in_flight(self) -> int:
+        return sum(len(w.units) for w in self.workers)
+
+    def pending_refs(self) -> list:
+        refs = []
+        for w in self.live:
+            if w.state == STARTING:
+                refs.append(w.load_ref if w.placed_at is not None else w.placed_ref)
+            refs.extend(w.units)
+        return refs
+
+    def gone_causes(self) -> str:
+        return "; ".join(f"{w.name}: {w.cause}" for w in self.workers if w.state == GONE) or "none"
+
+    # ---- events ---------------------------------------------------------------------------------
+    def submit(self, w: Worker, unit: Unit) -> None:
+        if not w.units:
+            w.progress_at = self.clock()               # a stall is measured from the first unit
+        w.units[w.actor.run_unit.remote(unit)] = unit
+
+    def resolve(self, ref) -> Outcome:
+        """Account for one finished ref (placement, load or unit)."""
+        for w in self.live:
+            if ref is w.placed_ref or ref == w.placed_ref:
+                return self._on_placed(w)
+            if ref == w.load_ref:
+                return self._on_loaded(w)
+            if ref in w.units:
+                return self._on_unit(w, ref)
+        return Outcome()
+
+    def _on_placed(self, w: Worker) -> Outcome:
+        try:
+            ray.get(w.placed_ref)
+            w.placed_at = self.clock()
+        except RayError as e:
+            self.retire(w, f"could not start: {cause_of(e)}", replace=True)
+        return Outcome()
+
+    def _on_loaded(self, w: Worker) -> Outcome:
+        try:
+            self.loaded.append(ray.get(w.load_ref))
+            w.state, w.progress_at = READY, self.clock()
+            self.ready_times.append(w.progress_at)
+        except RayTaskError as e:
+            raise LoadFailed(f"worker {w.name} failed to load its models: {cause_of(e)}") from None
+        except RayError as e:
+            self.retire(w, f"died while loading: {cause_of(e)}", replace=True)
+        return Outcome()
+
+    def _on_unit(self, w: Worker, ref) -> Outcome:
+        unit = w.units.pop(ref)
+        try:
+            return Outcome(committed=[(unit, ray.get(ref))])
+        except RayTaskError as e:
+            if not isinstance(e.cause, WorkerBroken):
+                return Outcome(failed=[(unit, cause_of(e))])
+            cause = cause_of(e)
+        except RayActorError as e:
+            cause = f"actor died: {cause_of(e)}"
+        others = self.retire(w, cause, replace=True)
+        return Outcome(failed=[(u, cause) for u in [unit] + others])
+
+    # ---- deadlines --------------------------------------------------------------------------------
+    def check_deadlines(self) -> Outcome:
+        """Give up on workers past their placement/load deadline or stalled while holding units."""
+        c, now, out = self.cfg.cluster, self.clock(), Outcome()
+        for w in list(self.live):
+            if w.state == STARTING and w.placed_at is None and now - w.spawned_at > c.placement_timeout_s:
+                self.retire(w, f"not placed within {c.placement_timeout_s:.0f} s: needs {c.num_cpus_per_worker} "
+                               f"CPU, {c.num_gpus_per_worker} GPU; available now: {_available()}", replace=False)
+            elif w.state == STARTING and w.placed_at is not None and now - w.placed_at > c.load_timeout_s:
+                self.retire(w, f"model load not done within {c.load_timeout_s:.0f} s", replace=False)
+            elif w.state == READY and w.units and now - w.progress_at > c.stall_timeout_s:
+                cause = f"no engine step or commit for {c.stall_timeout_s:.0f} s (hung)"
+                out.failed += [(u, cause) for u in self.retire(w, cause, replace=True)]
+        return out
+
+    def poll_stats(self, timeout: float = 1.0) -> dict:
+        """Counters summed over ready workers (now) and gone ones (last seen); notes progress."""
+        ready = self.ready
+        refs = [w.actor.stats.remote() for w in ready]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for w, ref in zip(ready, refs):
+            if ref in done:
+                try:
+                    self._note(w, ray.get(ref))
+                except RayError:
+                    pass
+        total = dict(self.dead_stats)
+        for s in self.last_stats.values():
+            for k, v in s.items():
+                if isinstance(v, (int, float)):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def _note(self, w: Worker, stats: dict) -> None:
+        self.last_stats[w.name] = stats
+        progress = (stats.get("steps"), stats.get("units"), stats.get("rows"))
+        if progress != w.progress:
+            w.progress, w.progress_at = progress, self.clock()
+
+    def kill_all(self) -> None:
+        for w in self.live:
+            self.retire(w, "stopped", replace=False)
+
+
+def _available() -> dict:
+    try:
+        return {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    except (RayError, GetTimeoutError):
+        return {}

@@ -1,0 +1,148 @@
+"""Storage primitives the commit protocol rests on, for any fsspec filesystem: bounded retries of
+transient failures, atomic whole-object writes, and exclusive create.
+
+- `retrying(policy, what, op)`: call `op` until it succeeds or the policy's attempts are spent,
+  sleeping with bounded exponential backoff; errors that no retry can fix (permissions, a missing
+  bucket, a path that is a file) are raised at once. The final error names the operation and path.
+- `put_atomic(fs, path, data)`: a reader sees the old object, or the whole new one, never a part.
+  Object stores give that with one PUT; on a local disk it is temp file + fsync + rename + directory
+  fsync (a crash or a full disk leaves the old file or nothing, never a torn one).
+- `create_exclusive(fs, path, data)`: True if this call created the object, False if it existed.
+  Local disks: a hard link of a complete temp file (link fails if the name exists). S3: a PUT with
+  `If-None-Match: *` (AWS S3, MinIO and moto honour it), then a read-back of our nonce; elsewhere
+  (other fsspec stores, or an S3 server that ignores the condition): exists-check, write, read-back
+  after a settle delay -- a best-effort fallback that two writers within the delay can both pass.
+
+Knows nothing about runs, units or Ray.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from fsspec.implementations.local import LocalFileSystem
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Raised at once: retrying cannot fix them.
+PERMANENT = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+             TypeError, ValueError)
+FALLBACK_SETTLE_S = 1.0
+
+
+class StorageError(OSError):
+    """A storage operation failed for good (after retries); names the operation, path and cause."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5                # tries per operation (1 = no retry)
+    backoff_s: float = 0.5           # first wait; doubles per retry
+    max_backoff_s: float = 8.0       # cap on one wait
+
+    def delays(self):
+        delay = self.backoff_s
+        for _ in range(self.attempts - 1):
+            yield min(delay, self.max_backoff_s)
+            delay *= 2
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def retrying(policy: RetryPolicy, what: str, op: Callable[[], T]) -> T:
+    """op() with bounded retries of transient errors; StorageError naming `what` when they run out."""
+    delays = policy.delays()
+    while True:
+        try:
+            return op()
+        except PERMANENT:
+            raise
+        except Exception as e:  # noqa: BLE001 -- s3fs/botocore/aiohttp raise many transient types
+            delay = next(delays, None)
+            if delay is None:
+                raise StorageError(f"{what}: {describe(e)} (gave up after {policy.attempts} attempts)") from e
+            log.warning("%s: %s; retrying in %.1f s", what, describe(e), delay)
+            time.sleep(delay)
+
+
+def is_local(fs) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: str) -> str:
+    folder, name = posixpath.split(path)
+    return posixpath.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def put_atomic(fs, path: str, data: bytes) -> None:
+    """Write the whole object or nothing (see the module docstring)."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = _temp_name(path)
+    try:
+        _write_synced(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(posixpath.dirname(path))
+
+
+def create_exclusive(fs, path: str, data: bytes) -> bool:
+    """Create `path` holding `data` unless it exists. True if this call created it."""
+    if is_local(fs):
+        return _create_local(path, data)
+    try:
+        if fs.exists(path):
+            return False
+        if "s3" in _protocols(fs):
+            fs.pipe_file(path, data, mode="create")
+        else:
+            fs.pipe_file(path, data)
+            time.sleep(FALLBACK_SETTLE_S)
+    except FileExistsError:              # s3fs maps 412 Precondition Failed to this
+        return False
+    return fs.cat_file(path) == data     # the read-back: catches servers that ignore the condition
+
+
+def _protocols(fs) -> tuple:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def _create_local(path: str, data: bytes) -> bool:
+    tmp = _temp_name(path)
+    try:
+        _write_synced(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(posixpath.dirname(path))
+    return True
