@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
 from pipeline.engine.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
+from pipeline.engine.drafters import draft_lag
 from pipeline.engine.request import Sequence
 
 
@@ -135,19 +136,20 @@ def test_a_lagging_draft_kv_is_caught_up_only_where_drafting_pays_it_back():
     assert not policy.catch_up_pays(alpha, g, 4, lag, remaining=int(breakeven * 0.9))
     assert policy.catch_up_pays(alpha, g, 4, lag, remaining=int(breakeven * 1.1) + 1)
 
-    def seq(rid, prompt_len, max_tokens, computed):
-        s = Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0)
-        s.num_draft_computed = computed
-        return s
+    def seq(rid, prompt_len, max_tokens):
+        return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0)
     while not policy.has_evidence:                     # a good draft, known
-        policy.update(seq("x", 1, 1000, 0), 4, 4)
-    short = seq("short", 201, 4, 0)                    # 200 positions behind, 4 tokens left
-    long = seq("long", 201, 1000, 0)                   # 200 behind, up to 1000 tokens left
-    warm = seq("warm", 201, 4, 200)                    # caught up: nothing to pay
-    lengths = policy.choose([short, long, warm, seq("w2", 201, 4, 200)])
+        policy.update(seq("x", 1, 1000), 4, 4)
+    short = seq("short", 201, 4)                       # 200 positions behind, 4 tokens left
+    long = seq("long", 201, 1000)                      # 200 behind, up to 1000 tokens left
+    warm = seq("warm", 201, 4)                         # caught up: nothing to pay
+    batch, draft_computed = [short, long, warm, seq("w2", 201, 4)], [0, 0, 200, 200]
+    lags = [draft_lag(s.num_tokens, c) for s, c in zip(batch, draft_computed)]   # what the drafter reports
+    assert lags == [200, 200, 0, 0]
+    lengths = policy.choose(batch, lags)
     assert lengths[0] == 0 and lengths[1] > 0 and lengths[2] > 0
     cm.draft_prefill_s = 0.0                           # without a measured prefill cost: no gate
-    assert policy.choose([short])[0] > 0
+    assert policy.choose([short], lags[:1])[0] > 0
 
 
 def _force(engine, verify, draft):
@@ -168,7 +170,7 @@ def test_adaptive_engine_is_lossless_and_drafts_lazily(target_model, draft_model
     for i, prompt in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 16), f"prompt {i}"
     assert sum(r.accepted for r in rounds) > 0 and sum(r.draft_len - r.accepted for r in rounds) > 0
-    runner = getattr(engine.drafter, "runner", None)
+    runner = engine.drafter.draft_runner
     if runner is not None:   # each sequence's draft KV was built once: prompts + committed tokens, no more
         committed = sum(len(p) + len(done[str(i)].output_ids) for i, p in enumerate(prompts))
         assert 0 < runner.num_forward_tokens <= committed + sum(r.draft_len for r in rounds)
@@ -210,10 +212,10 @@ def test_lazy_catch_up_builds_the_drafts_kv_exactly(target_model, draft_model):
             seq = next((s for s in engine.scheduler.running if s.request_id == r.request_id), None)
             if seq is None:
                 continue
-            assert seq.num_draft_computed <= seq.num_tokens - 1
+            assert engine.drafter.num_computed(seq) <= seq.num_tokens - 1
             if r.draft_len > 0:
                 seen_drafting += 1
-                n = seq.num_draft_computed
+                n = engine.drafter.num_computed(seq)
                 got = engine.drafter.runner.cache.keys[0][seq.slot, :, :n]
                 torch.testing.assert_close(got, _layer0_keys(draft_model, seq.all_ids()[:n]), atol=2e-4, rtol=1e-4)
     assert seen_drafting > 0

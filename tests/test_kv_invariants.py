@@ -31,9 +31,11 @@ def test_lengths_and_contents_after_every_round(target_model, draft_model, kind)
             assert seq.num_computed == seq.num_tokens - 1
             if kind in ("draft-greedy", "draft-prob"):
                 # the draft keeps KV for committed tokens only, at most 2 behind (after a bonus token)
-                assert seq.num_tokens - 3 <= seq.num_draft_computed <= seq.num_tokens - 1
-            else:
-                assert seq.num_draft_computed <= seq.num_tokens - 1
+                assert seq.num_tokens - 3 <= engine.drafter.num_computed(seq) <= seq.num_tokens - 1
+            elif kind == "hybrid":
+                assert engine.drafter.num_computed(seq) <= seq.num_tokens - 1
+            else:                  # no draft model: no draft KV at all
+                assert engine.drafter.draft_runner is None
             if steps % 3 == 0:    # contents: the slot holds exactly the committed history's KV
                 n = seq.num_computed
                 got = engine.target.cache.keys[0][seq.slot, :, :n]

@@ -1,5 +1,6 @@
 """Adaptive draft length: per sequence, from its recent acceptance and the current batch size,
-using measured draft and verify costs. No torch.
+using measured draft and verify costs. No torch import: calibration times the runners it is given
+through their own methods.
 
 Model (the one written down in bench/RESULTS.md): with per-token acceptance alpha, a round with
 draft length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs
@@ -7,7 +8,7 @@ C(g) = V(B * (g + 1)) + g * D(B), where V(T) is the target's forward (+ verifica
 tokens and D(B) the draft's time for one step over B rows (0 for n-gram lookup). Each sequence gets
 the g in [0, max_draft] that maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation
 would cost more than it saves. V and D are piecewise-linear curves measured by a short calibration
-(SpecEngine.calibrate) and rescaled online by the ratio of observed to predicted step times.
+(CostModel.calibrate) and rescaled online by the ratio of observed to predicted step times.
 
 Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
 (geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
@@ -18,11 +19,17 @@ anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 fo
 acceptance that would correct it is never observed. A sequence whose draft KV lags its history (a
 new prompt, or a stretch at g = 0) must first be caught up (a draft prefill of `lag` tokens,
 P per token): it drafts only if the time drafting saves over its remaining tokens R,
-R * (C(0) - C(g) / E(g)) / B, exceeds lag * P.
+R * (C(0) - C(g) / E(g)) / B, exceeds lag * P. The lag comes from the drafter, which owns the draft
+KV (Drafter.catch_up_lag); the policy only reads it.
 """
 from __future__ import annotations
 
 import bisect
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 
 class CostModel:
@@ -90,6 +97,43 @@ class CostModel:
 
     def catch_up_cost(self, lag: int) -> float:
         return self.draft_scale * self.draft_prefill_s * lag
+
+    def calibrate(self, target: ModelRunner, draft: ModelRunner | None, num_slots: int, max_draft: int,
+                  max_model_len: int, repeats: int = 3) -> None:
+        """Measure the target's forward time per number of tokens and the draft's per number of rows
+        (the cost curves), at a typical context length: attention reads grow with it, and a curve
+        measured at context 0 underprices extra query tokens. Writes scratch KV into the runners'
+        first slots: only while no sequence holds a slot."""
+        context = min(max_model_len // 2, 384)
+        max_tokens = num_slots * (max_draft + 1)
+        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {max_tokens})
+        self.verify_curve = CostModel.monotone(
+            [(t, time_forward(target, t, num_slots, context, repeats)) for t in sizes])
+        if draft is None:
+            return
+        rows = sorted({min(2 ** i, num_slots) for i in range(num_slots.bit_length() + 1)})
+        self.draft_curve = CostModel.monotone([(r, time_forward(draft, r, r, context, repeats)) for r in rows])
+        chunk = min(64, context)          # the lazy catch-up's prefill, per token (no logits)
+        self.draft_prefill_s = time_forward(draft, chunk, 1, context, repeats, "none") / chunk
+
+
+def time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int,
+                 logits: str = "all") -> float:
+    """Median seconds of one forward of `tokens` tokens over at most `max_rows` rows at `context`
+    (+ the softmax the engine applies to its logits), after a warm-up run."""
+    rows = min(tokens, max_rows)
+    per_row = -(-tokens // rows)
+    context = min(context, runner.cache.max_len - per_row)
+    inputs = [[0] * per_row for _ in range(rows)]
+    times = []
+    for _ in range(repeats + 1):                       # first run is a warm-up
+        t0 = time.perf_counter()
+        out = runner.forward(list(range(rows)), [context] * rows, inputs, logits=logits)
+        if out is not None:
+            out.softmax(dim=-1)
+        runner.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def expected_tokens(alpha: float, g: int) -> float:
@@ -160,16 +204,17 @@ class AdaptiveDraftLength:
         saved = remaining * (c0 - cg / expected_tokens(alpha, g)) / batch_size
         return saved > self.costs.catch_up_cost(lag)
 
-    def choose(self, batch) -> list[int]:
+    def choose(self, batch, lags: list[int] | None = None) -> list[int]:
+        """g per sequence. `lags[b]`: draft KV positions sequence b must catch up on before it can
+        draft (the drafter's catch_up_lag; None: none lags)."""
         if not self.costs.is_calibrated:
             return [self.max_draft] * len(batch)
         # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
         margin = None if self.has_evidence else 0.0
         lengths = []
-        for s in batch:
+        for s, lag in zip(batch, lags or [0] * len(batch)):
             alpha = self.acceptance(s.request_id)
             g = self.best_length(alpha, len(batch), margin)
-            lag = s.draft_catch_up
             if g and not self.draft_is_free and lag and not self.catch_up_pays(
                     alpha, g, len(batch), lag, s.params.max_tokens - len(s.output_ids)):
                 g = 0

@@ -1,24 +1,29 @@
 """Drafters: propose up to g tokens per sequence. Proposers never verify.
 
+The engine talks to a drafter only through the `Drafter` protocol below; it never reads or writes a
+drafter's attributes. Implementations:
+
 - DraftModelDrafter: a small model sharing the target's tokenizer, with its own slot KV store that
-  follows the committed history (rollback = a length). `sample_method` "greedy" proposes the draft's
-  argmax (token only, one-hot q); "probabilistic" samples from q and keeps it for verification.
-- NgramDrafter: prompt lookup over prompt + generated tokens (token only).
+  follows the committed history (rollback = a length). It owns its per-sequence KV lengths and
+  their catch-up. `sample_method` "greedy" proposes the draft's argmax (token only, one-hot q);
+  "probabilistic" samples from q with the sequence's draft generator and keeps q for verification.
+- NgramDrafter: prompt lookup over prompt + generated tokens (token only, free).
 - HybridDrafter: the n-gram proposal where one exists, the draft model elsewhere.
 - NoDrafter: draft length 0, i.e. plain autoregressive decoding through the same engine.
 
 Every proposal is returned flat (DraftBatch): token ids of all sequences concatenated, with offsets.
-This module knows nothing about verification or stops.
+This module knows nothing about verification, stops or cost models.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from .logits import RowParams, greedy_tokens, processed_probs, token_counts
+from .logits import row_probs
+from .prefill import Chunk, forward_history
 from .request import Sequence
 from .runner import ModelRunner
 from .verify import sample_from_probs
@@ -48,29 +53,72 @@ class DraftBatch:
         return self.draft_ids[int(self.cu_num_draft[b]):int(self.cu_num_draft[b + 1])].tolist()
 
 
-def penalty_counts(seqs: list[Sequence], extra: list[list[int]], vocab: int, device):
-    """Output and prompt token counts for rows whose history is seq.output_ids + extra[r]."""
-    outputs = [s.output_ids + e for s, e in zip(seqs, extra)]
-    return token_counts(outputs, vocab, device), token_counts([s.prompt_ids for s in seqs], vocab, device)
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine needs from a drafter. Per round the engine calls, in order: catch_up (lazy
+    mode only), propose, then on_commit once the round's tokens are committed and the target's KV
+    rolled back; release when a sequence finishes. prefill runs with the target's prompt prefill
+    unless the engine is lazy (adaptive with a drafter that is not free)."""
+
+    @property
+    def is_free(self) -> bool:
+        """Drafting costs no model forward (n-gram lookup, none): the adaptive policy prices it at 0."""
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        """The draft model's runner (vocabulary check, calibration), or None without a model."""
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        """KV for the prompt chunks (seq, n) the target prefills this step (eager draft prefill)."""
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        """Draft KV positions to prefill before `seq` can draft (0: none needed); the adaptive
+        policy weighs it against what drafting would save."""
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        """Lazy prefill for sequences about to draft (lengths[b] > 0), at most `budget` positions in
+        all. Returns the lengths (0 where a sequence is still behind) and the positions prefilled."""
+
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
+        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b]."""
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        """The round's tokens are committed: roll per-sequence state back to the committed history."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished: forget its state."""
 
 
-def row_probs(logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
-              argmax_only: bool = False) -> torch.Tensor:
-    """Processed distributions for rows (seqs[r] with candidate suffix extra[r]): [rows, vocab];
-    with argmax_only, just their greedy choice: [rows]."""
-    rp = RowParams.from_params([s.params for s in seqs], logits.device)
-    counts = penalty_counts(seqs, extra, logits.shape[-1], logits.device) if rp.has_penalties else (None, None)
-    return (greedy_tokens if argmax_only else processed_probs)(logits, rp, *counts)
+class FreeDrafter:
+    """Base for drafters without a model or per-sequence state: the protocol's no-op members."""
+    is_free = True
+    draft_runner = None
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        pass
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        return 0
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        return list(lengths), 0
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
 
 
-class NoDrafter:
+class NoDrafter(FreeDrafter):
     kind = "none"
-    runner = None
 
     def __init__(self, device="cpu"):
         self.device = device
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> DraftBatch:
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
         return DraftBatch.from_lists([[] for _ in seqs], self.device)
 
 
@@ -87,9 +135,8 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(FreeDrafter):
     kind = "ngram"
-    runner = None
 
     def __init__(self, min_n: int = 2, max_n: int = 4, device="cpu"):
         if not 1 <= min_n <= max_n:
@@ -101,49 +148,109 @@ class NgramDrafter:
             return []
         return ngram_lookup(np.asarray(seq.all_ids(), dtype=np.int64), self.min_n, self.max_n, k)
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> DraftBatch:
-        return DraftBatch.from_lists([self.lookup(s, g) for s, g in zip(seqs, num_draft)], self.device)
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
+        return DraftBatch.from_lists([self.lookup(s, g) for s, g in zip(seqs, lengths)], self.device)
+
+
+def draft_lag(num_tokens: int, num_computed: int) -> int:
+    """Draft-model positions to prefill before a sequence of `num_tokens` committed tokens, with
+    `num_computed` draft KV positions, can draft: its history (all but the last token, the next
+    round's input) beyond the draft KV, or 0 when that lag is the 1-2 positions a drafting round
+    leaves behind anyway."""
+    lag = num_tokens - 1 - num_computed
+    return lag if lag > 2 else 0
+
+
+def _uniforms(generators: list[torch.Generator], device) -> torch.Tensor:
+    """[rows] one uniform per row, each from its sequence's own draft generator."""
+    return torch.tensor([float(torch.rand(1, generator=g)) for g in generators], device=device)
 
 
 class DraftModelDrafter:
+    """A draft model over its own slot KV store (the sequence's slot). Owns each running sequence's
+    draft KV length: it follows the committed history, lags it after a round by at most 2 (a bonus
+    token), and is rolled back on commit (a length move)."""
     kind = "draft"
+    is_free = False
 
-    def __init__(self, runner: ModelRunner, sample_method: str = "greedy",
-                 uniform: Callable[[Sequence], float] | None = None):
+    def __init__(self, runner: ModelRunner, sample_method: str = "greedy"):
         if sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method: expected 'greedy' or 'probabilistic', got {sample_method!r}")
         self.runner, self.sample_method = runner, sample_method
-        self.uniform = uniform      # per-sequence uniform draw, set by the engine (the seq's draft generator)
+        self._computed: dict[Sequence, int] = {}      # draft positions with KV, per sequence holding a slot
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> DraftBatch:
+    @property
+    def draft_runner(self) -> ModelRunner:
+        return self.runner
+
+    def num_computed(self, seq: Sequence) -> int:
+        """Draft-model positions of `seq` with KV."""
+        return self._computed.get(seq, 0)
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        forward_history(self.runner, chunks, self.num_computed)
+        for seq, n in chunks:
+            self._computed[seq] = self.num_computed(seq) + n
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        return draft_lag(seq.num_tokens, self.num_computed(seq))
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        """Bring the draft KV up to the committed history for sequences about to draft whose draft KV
+        lags by more than a round's usual 1-2 tokens (a new prompt, or a stretch at g = 0), within
+        `budget` positions; a sequence still behind drafts nothing this round."""
+        lengths, chunks = list(lengths), []
+        for b, (seq, g) in enumerate(zip(seqs, lengths)):
+            lag = self.catch_up_lag(seq)
+            if g == 0 or not lag:
+                continue
+            take = min(lag, budget)
+            if take:
+                chunks.append((seq, take))
+                budget -= take
+            if take < lag:
+                lengths[b] = 0
+        self.prefill(chunks)
+        self.runner.synchronize()
+        return lengths, sum(n for _, n in chunks)
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:                   # rollback = a length: KV for committed tokens only
+            if seq in self._computed:
+                self._computed[seq] = min(self._computed[seq], seq.num_tokens - 1)
+
+    def release(self, seq: Sequence) -> None:
+        self._computed.pop(seq, None)
+
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
         # Token only (one-hot q, never stored) for the greedy method or an all-greedy batch.
         token_only = self.sample_method == "greedy" or all(s.params.is_greedy for s in seqs)
         proposals: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for step in range(max(num_draft, default=0)):
-            active = [b for b, g in enumerate(num_draft) if g > step]
+        for step in range(max(lengths, default=0)):
+            active = [b for b, g in enumerate(lengths) if g > step]
             self._draft_step([seqs[b] for b in active], [proposals[b] for b in active],
-                             [probs[b] for b in active], token_only)
+                             [probs[b] for b in active], [generators[b] for b in active], token_only)
         flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
         return DraftBatch.from_lists(proposals, self.runner.device, flat_probs, None)
 
     def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list],
-                    token_only: bool) -> None:
+                    generators: list[torch.Generator], token_only: bool) -> None:
         """One draft forward for these sequences: catch up on committed tokens the draft has no KV for
         (first step of a round) or feed the previous draft token; propose the next one."""
-        slots, starts, inputs = [], [], []
-        for seq, prop in zip(seqs, proposals):
+        starts, inputs = [self.num_computed(seq) for seq in seqs], []
+        for seq, prop, start in zip(seqs, proposals, starts):
             history = seq.all_ids() + prop[:-1]            # tokens the draft must have KV for
-            slots.append(seq.slot)
-            starts.append(seq.num_draft_computed)
-            inputs.append(history[seq.num_draft_computed:] + prop[-1:])
-            seq.num_draft_computed = len(history) + (1 if prop else 0)
-        logits = self.runner.forward(slots, starts, inputs, logits="last")   # [rows, vocab]
+            inputs.append(history[start:] + prop[-1:])
+            self._computed[seq] = len(history) + (1 if prop else 0)
+        logits = self.runner.forward([seq.slot for seq in seqs], starts, inputs, logits="last")   # [rows, vocab]
         if token_only:
             tokens = row_probs(logits, seqs, proposals, argmax_only=True)
         else:
             q = row_probs(logits, seqs, proposals)                           # [rows, vocab]
-            tokens = sample_from_probs(q, torch.tensor([self.uniform(s) for s in seqs], device=q.device))
+            tokens = sample_from_probs(q, _uniforms(generators, q.device))
             for b in range(len(seqs)):
                 probs[b].append(q[b])
         for b, tok in enumerate(tokens.tolist()):
@@ -151,20 +258,46 @@ class DraftModelDrafter:
 
 
 class HybridDrafter:
-    """n-gram proposal where one exists, the draft model elsewhere."""
+    """n-gram proposal where one exists, the draft model elsewhere. Both parts are used through the
+    Drafter protocol; the per-sequence state (draft KV) is the model part's."""
     kind = "hybrid"
+    is_free = False
 
     def __init__(self, ngram: NgramDrafter, model: DraftModelDrafter):
-        self.ngram, self.model, self.runner = ngram, model, model.runner
+        self.ngram, self.model = ngram, model
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> DraftBatch:
-        ngram_props = [self.ngram.lookup(s, g) for s, g in zip(seqs, num_draft)]
-        need = [b for b, (p, g) in enumerate(zip(ngram_props, num_draft)) if g > 0 and not p]
-        sub = self.model.propose([seqs[b] for b in need], [num_draft[b] for b in need])
-        proposals = list(ngram_props)
+    @property
+    def draft_runner(self) -> ModelRunner:
+        return self.model.draft_runner
+
+    def num_computed(self, seq: Sequence) -> int:
+        return self.model.num_computed(seq)
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        self.model.prefill(chunks)
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        return self.model.catch_up_lag(seq)
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        return self.model.catch_up(seqs, lengths, budget)
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        self.model.on_commit(seqs)
+
+    def release(self, seq: Sequence) -> None:
+        self.model.release(seq)
+
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
+        found = self.ngram.propose(seqs, lengths, generators)
+        proposals = [found.tokens(b) for b in range(len(seqs))]
+        need = [b for b, (p, g) in enumerate(zip(proposals, lengths)) if g > 0 and not p]
+        sub = self.model.propose([seqs[b] for b in need], [lengths[b] for b in need],
+                                 [generators[b] for b in need])
         for i, b in enumerate(need):
             proposals[b] = sub.tokens(i)
-        device = self.runner.device
+        device = self.draft_runner.device
         if sub.draft_probs is None:
             return DraftBatch.from_lists(proposals, device)
         return self._mixed(proposals, need, sub, device)

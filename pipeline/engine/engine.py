@@ -11,7 +11,9 @@ Glossary (used throughout the engine):
 The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished.
 
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
-used for stop strings and output text.
+used for stop strings and output text. It reaches the drafter only through the Drafter protocol
+(drafters.py: the draft model's KV lengths and catch-up are the drafter's), and measures costs
+through adaptive.py.
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from typing import Callable
 import torch
 
 from .adaptive import AdaptiveDraftLength, CostModel
-from .drafters import DraftBatch, NoDrafter, row_probs
+from .drafters import DraftBatch, Drafter, NoDrafter
+from .logits import row_probs
+from .prefill import forward_history
 from .request import RequestError, SamplingParams, Sequence
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .verify import verify, verify_greedy
+from .verify import VerifyOutput, verify, verify_greedy
 
 
 @dataclass
@@ -86,12 +90,6 @@ class _SeqRng:
     verify: torch.Generator
 
 
-def _sync(device: torch.device) -> None:
-    """Make wall-clock phase timings honest on asynchronous devices."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def seq_generators(seed: int, request_id: str) -> _SeqRng:
     """Independent CPU generators for a sequence, from (seed, request id) only: the same seed and
     prompt sample the same tokens whatever the batch or admission order."""
@@ -101,48 +99,22 @@ def seq_generators(seed: int, request_id: str) -> _SeqRng:
     return _SeqRng(draft=gen("draft"), verify=gen("verify"))
 
 
-def _padding_groups(chunks: list, slack: float = 1.25) -> list[list]:
-    """Split prefill chunks into padded batches that waste little: sorted by length, a group grows
-    while its padded size stays within `slack` x its real tokens (+ a small constant)."""
-    groups: list[list] = []
-    for chunk in sorted(chunks, key=lambda c: -c[1]):
-        group = groups[-1] if groups else None
-        if group and group[0][1] * (len(group) + 1) <= slack * (sum(n for _, n in group) + chunk[1]) + 16:
-            group.append(chunk)
-        else:
-            groups.append([chunk])
-    return groups
-
-
-def _forward_history(runners: list[ModelRunner], chunks: list, computed: Callable[[Sequence], int]) -> None:
-    """KV (no logits) for chunks (seq, n): the n tokens of each sequence's history after its first
-    `computed(seq)` positions, in low-padding groups, through every runner. Callers move the lengths."""
-    for group in _padding_groups(chunks):
-        starts = [computed(seq) for seq, _ in group]
-        tokens = [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)]
-        for runner in runners:
-            runner.forward([seq.slot for seq, _ in group], starts, tokens, logits="none")
-
-
 class SpecEngine:
-    def __init__(self, target: ModelRunner, drafter=None, config: EngineConfig | None = None,
+    def __init__(self, target: ModelRunner, drafter: Drafter | None = None, config: EngineConfig | None = None,
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None):
         self.config = config or EngineConfig()
         self.target = target
-        self.drafter = drafter or NoDrafter(target.device)
-        if getattr(self.drafter, "runner", None) is not None and self.drafter.runner.vocab_size != target.vocab_size:
-            raise ValueError(f"draft vocabulary ({self.drafter.runner.vocab_size}) does not match the "
+        self.drafter: Drafter = drafter or NoDrafter(target.device)
+        draft_runner = self.drafter.draft_runner
+        if draft_runner is not None and draft_runner.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft_runner.vocab_size}) does not match the "
                              f"target's ({target.vocab_size}): drafts must share the target's tokenizer")
-        if hasattr(self.drafter, "model"):          # hybrid: its model part draws from the seq's generator
-            self.drafter.model.uniform = self._draft_uniform
-        elif hasattr(self.drafter, "uniform"):
-            self.drafter.uniform = self._draft_uniform
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.costs = CostModel()
         self.policy = AdaptiveDraftLength(self.config.num_speculative_tokens, self.costs,
-                                          draft_is_free=self.drafter.runner is None)
+                                          draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
 
@@ -188,134 +160,99 @@ class SpecEngine:
 
     # ---- the round ------------------------------------------------------------------------------
     def step(self) -> StepOutput:
+        """One round for every running sequence: admit -> draft -> verify -> commit -> emit."""
         if self.config.adaptive and not self.costs.is_calibrated:
             self.calibrate()
-        self._admit_and_prefill()
+        self._admit()
         batch = list(self.scheduler.running)
         if not batch:
             return StepOutput()
-        t0 = time.perf_counter()
-        lengths = self._draft_lengths(batch)
-        catch_up_s = self._draft_catch_up(batch, lengths) if self._lazy_draft else 0.0
-        drafts = self.drafter.propose(batch, lengths).to(self.target.device)
-        _sync(self.target.device)
-        t1 = time.perf_counter()
-        out, target_rows = self._verify(batch, drafts)
-        _sync(self.target.device)
-        t2 = time.perf_counter()
-        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=t1 - t0 - catch_up_s,
-                           target_tokens=target_rows, verify_s=t2 - t1, draft_steps=max(drafts.num_draft))
-        result = self._commit(batch, drafts, out, t1 - t0, t2 - t1)
+        drafts, draft_s, catch_up_s = self._draft(batch)
+        out, verify_s = self._verify(batch, drafts)
+        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=draft_s - catch_up_s,
+                           target_tokens=len(batch) + sum(drafts.num_draft), verify_s=verify_s,
+                           draft_steps=max(drafts.num_draft))
+        rounds = self._commit(batch, drafts, out, draft_s, verify_s)
+        finished = self._emit(batch)
         self.num_steps += 1
-        return result
+        return StepOutput(finished, rounds)
 
     def calibrate(self, repeats: int = 3) -> None:
-        """Measure the target's forward time per number of tokens and the draft's per number of rows
-        (the adaptive policy's cost curves), at a typical context length: attention reads grow with
-        it, and a curve measured at context 0 underprices extra query tokens. Must run while no
-        sequence holds a slot: it writes scratch KV into the first slots."""
+        """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
+        draft model, if any. Must run while no sequence holds a slot: it writes scratch KV."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
-        slots, g = self.config.max_num_seqs, self.config.num_speculative_tokens
-        context = min(self.config.max_model_len // 2, 384)
-        max_tokens = slots * (g + 1)
-        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {slots * (g + 1)})
-        self.costs.verify_curve = CostModel.monotone(
-            [(t, self._time_forward(self.target, t, slots, context, repeats)) for t in sizes])
-        runner = getattr(self.drafter, "runner", None)
-        if runner is not None:
-            rows = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
-            self.costs.draft_curve = CostModel.monotone(
-                [(r, self._time_forward(runner, r, r, context, repeats)) for r in rows])
-            chunk = min(64, context)          # the lazy catch-up's prefill, per token (no logits)
-            self.costs.draft_prefill_s = self._time_forward(runner, chunk, 1, context, repeats, "none") / chunk
-
-    @staticmethod
-    def _time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int,
-                      logits: str = "all") -> float:
-        rows = min(tokens, max_rows)
-        per_row = -(-tokens // rows)
-        context = min(context, runner.cache.max_len - per_row)
-        inputs = [[0] * per_row for _ in range(rows)]
-        times = []
-        for _ in range(repeats + 1):                       # first run is a warm-up
-            t0 = time.perf_counter()
-            out = runner.forward(list(range(rows)), [context] * rows, inputs, logits=logits)
-            if out is not None:
-                out.softmax(dim=-1)
-            _sync(runner.device)
-            times.append(time.perf_counter() - t0)
-        return sorted(times[1:])[len(times[1:]) // 2]
+        cfg = self.config
+        self.costs.calibrate(self.target, self.drafter.draft_runner, cfg.max_num_seqs, cfg.num_speculative_tokens,
+                             cfg.max_model_len, repeats)
 
     @property
     def _lazy_draft(self) -> bool:
-        """Adaptive mode prefills the draft model only for sequences about to draft (_draft_catch_up):
+        """Adaptive mode prefills the draft model only for sequences about to draft (Drafter.catch_up):
         where the policy says g = 0 the draft model costs nothing, not even the prompt's KV."""
-        return self.config.adaptive and getattr(self.drafter, "runner", None) is not None
+        return self.config.adaptive and not self.drafter.is_free
 
-    def _admit_and_prefill(self) -> None:
+    def _admit(self) -> None:
         """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
-        which is the first round's input) for the target and (unless lazy) the draft model."""
+        which is the first round's input) for the target and (unless lazy) the drafter."""
         self.scheduler.admit()
         chunks = self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed)
-        draft_runner = None if self._lazy_draft else getattr(self.drafter, "runner", None)
-        runners = [r for r in (self.target, draft_runner) if r is not None]
-        _forward_history(runners, chunks, lambda seq: seq.num_computed)
+        forward_history(self.target, chunks, lambda seq: seq.num_computed)
+        if not self._lazy_draft:
+            self.drafter.prefill(chunks)
         for seq, n in chunks:
             seq.num_computed += n
-            seq.num_draft_computed = seq.num_computed if len(runners) > 1 else 0
         for seq in list(self.scheduler.prefilling):
             if seq.num_computed == len(seq.prompt_ids) - 1:
                 self.scheduler.promote(seq)
 
-    def _draft_catch_up(self, batch: list[Sequence], lengths: list[int]) -> float:
-        """Bring the draft model's KV up to the committed history for sequences about to draft whose
-        draft KV lags by more than a round's usual 1-2 tokens (a new prompt, or a stretch at g = 0),
-        within the prefill token budget; a sequence still behind drafts nothing this round (its
-        lengths[b] is set to 0). Returns the seconds spent (kept out of the draft cost model)."""
+    def _draft(self, batch: list[Sequence]) -> tuple[DraftBatch, float, float]:
+        """Draft lengths, the lazy draft catch-up, the proposal. Returns the drafts, the phase's
+        seconds and the catch-up's share of them (kept out of the draft cost model)."""
         t0 = time.perf_counter()
-        budget, chunks = self.config.max_prefill_tokens, []
-        for b, (seq, g) in enumerate(zip(batch, lengths)):
-            lag = seq.draft_catch_up
-            if g == 0 or not lag:
-                continue
-            take = min(lag, budget)
-            if take:
-                chunks.append((seq, take))
-                budget -= take
-            if take < lag:
-                lengths[b] = 0
-        runner = self.drafter.runner
-        _forward_history([runner], chunks, lambda seq: seq.num_draft_computed)
-        for seq, n in chunks:
-            seq.num_draft_computed += n
-        _sync(runner.device)
-        return time.perf_counter() - t0 if chunks else 0.0
+        lengths, catch_up_s = self._draft_lengths(batch), 0.0
+        if self._lazy_draft:
+            t_catch_up = time.perf_counter()
+            lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
+            catch_up_s = time.perf_counter() - t_catch_up if num_prefilled else 0.0
+        drafts = self.drafter.propose(batch, lengths, [s.rng.draft for s in batch]).to(self.target.device)
+        self.target.synchronize()
+        return drafts, time.perf_counter() - t0, catch_up_s
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
         cfg = self.config
-        wanted = (self.policy.choose(batch) if cfg.adaptive
+        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch]) if cfg.adaptive
                   else [cfg.num_speculative_tokens] * len(batch))
         return [max(0, min(g, s.params.max_tokens - len(s.output_ids) - 1,
                            cfg.max_model_len - s.num_tokens - 1)) for g, s in zip(wanted, batch)]
 
-    def _verify(self, batch: list[Sequence], drafts: DraftBatch):
-        """One target forward over [last committed token, drafts] of every sequence, then the rule."""
+    def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> tuple[VerifyOutput, float]:
+        """One target forward over [last committed token, drafts] of every sequence, then the rule.
+        Returns the verifier's output and the phase's seconds."""
+        t0 = time.perf_counter()
         inputs = [[s.all_ids()[-1]] + drafts.tokens(b) for b, s in enumerate(batch)]
         logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
-        for s, toks in zip(batch, inputs):
+        for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
             s.num_computed += len(toks)
+        out = self._verify_rule(batch, drafts, logits, inputs)
+        self.target.synchronize()
+        return out, time.perf_counter() - t0
+
+    def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
+                     inputs: list[list[int]]) -> VerifyOutput:
+        """Greedy rule, or rejection sampling with each sequence's verify uniforms, on p processed per
+        row on that row's own prefix (the round's inputs before it)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
         if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
             return verify_greedy(drafts.draft_ids, drafts.cu_num_draft,
-                                 row_probs(logits, row_seqs, prefixes, argmax_only=True)), len(prefixes)
+                                 row_probs(logits, row_seqs, prefixes, argmax_only=True))
         p = row_probs(logits, row_seqs, prefixes)                        # [num_draft + num_seqs, vocab]
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
         is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
         return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
-                      accept_u, sample_u, drafts.is_onehot), len(prefixes)
+                      accept_u, sample_u, drafts.is_onehot)
 
     def _verify_uniforms(self, batch, num_draft, device):
         """g + 1 uniforms per sampled sequence per round, from its own verify generator."""
@@ -326,33 +263,34 @@ class SpecEngine:
             sample.append(u[g:])
         return torch.cat(accept).to(device), torch.cat(sample).to(device)
 
-    def _draft_uniform(self, seq: Sequence) -> float:
-        return float(torch.rand(1, generator=seq.rng.draft))
-
-    def _commit(self, batch, drafts: DraftBatch, out, draft_s: float, verify_s: float) -> StepOutput:
-        """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back."""
-        result = StepOutput()
-        num_accepted = out.num_accepted.tolist()
-        output_ids = out.output_ids.tolist()
-        is_accepted = out.is_accepted.tolist()
-        cu = drafts.cu_num_draft.tolist()
+    def _commit(self, batch: list[Sequence], drafts: DraftBatch, out: VerifyOutput, draft_s: float,
+                verify_s: float) -> list[RoundRecord]:
+        """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back (the
+        target's here, the drafter's in on_commit). Returns the round records."""
+        rounds = []
+        num_accepted, output_ids = out.num_accepted.tolist(), out.output_ids.tolist()
+        is_accepted, cu = out.is_accepted.tolist(), drafts.cu_num_draft.tolist()
         for b, seq in enumerate(batch):
             g, k = drafts.num_draft[b], num_accepted[b]
             emitted = seq.commit(output_ids[b][:k + 1], self.eos_token_ids, self.config.max_model_len,
                                  self.decode)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
-            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens - 1)
             self.policy.update(seq, g, k)
-            result.rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted,
-                                             is_accepted[cu[b]:cu[b + 1]], len(batch), draft_s, verify_s,
-                                             self.num_steps))
+            rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, is_accepted[cu[b]:cu[b + 1]],
+                                      len(batch), draft_s, verify_s, self.num_steps))
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k
-            if seq.is_finished:
-                self.scheduler.release(seq)
-                result.finished.append(self._completion(seq))
-        return result
+        self.drafter.on_commit(batch)
+        return rounds
+
+    def _emit(self, batch: list[Sequence]) -> list[Completion]:
+        """Free the slots of finished sequences (in the scheduler and the drafter); their completions."""
+        finished = [seq for seq in batch if seq.is_finished]
+        for seq in finished:
+            self.scheduler.release(seq)
+            self.drafter.release(seq)
+        return [self._completion(seq) for seq in finished]
 
     def _completion(self, seq: Sequence) -> Completion:
         self._ids.discard(seq.request_id)

@@ -11,7 +11,10 @@ computed per row on that row's own candidate prefix (h + y_<i), which the caller
 Greedy rows (temperature 0) come back one-hot on the argmax of their penalised logits: the
 temperature-0 limit, which makes the verifier's greedy rule and its argmax exact.
 
-This module knows nothing about sequences, models or randomness.
+`row_probs` is the entry point for the engine and the draft-model drafter: it reads a row's sampling
+params and token history (prompt_ids, output_ids) and nothing else of a sequence.
+
+This module knows nothing about models, KV or randomness.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import SamplingParams
+from .request import SamplingParams, Sequence
 
 
 @dataclass
@@ -119,3 +122,20 @@ def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Te
         onehot = torch.zeros_like(probs).scatter_(1, greedy_choice.unsqueeze(1), 1.0)
         probs = torch.where(rp.is_greedy.unsqueeze(1), onehot, probs)
     return probs
+
+
+def penalty_counts(seqs: list[Sequence], extra: list[list[int]], vocab: int,
+                   device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and prompt token counts ([rows, vocab] each) for rows whose history is
+    seq.output_ids + extra[r]."""
+    outputs = [s.output_ids + e for s, e in zip(seqs, extra)]
+    return token_counts(outputs, vocab, device), token_counts([s.prompt_ids for s in seqs], vocab, device)
+
+
+def row_probs(logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
+              argmax_only: bool = False) -> torch.Tensor:
+    """Processed distributions for rows (seqs[r] with candidate suffix extra[r]): [rows, vocab];
+    with argmax_only, just their greedy choice: [rows]."""
+    rp = RowParams.from_params([s.params for s in seqs], logits.device)
+    counts = penalty_counts(seqs, extra, logits.shape[-1], logits.device) if rp.has_penalties else (None, None)
+    return (greedy_tokens if argmax_only else processed_probs)(logits, rp, *counts)

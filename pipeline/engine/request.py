@@ -1,7 +1,8 @@
 """Per-sequence state and sampling parameters. No torch here: plain Python, tested as such.
 
-A sequence's tokens are *committed* (in the output) or not; the KV store has *computed* positions for
-some prefix of the committed tokens. The target always has exactly one committed token without KV
+A sequence's tokens are *committed* (in the output) or not; the target's KV store has *computed*
+positions for some prefix of the committed tokens (the draft model's KV lengths are the draft-model
+drafter's, not kept here). The target always has exactly one committed token without KV
 (the last one: it is the next round's first input). Stops (EOS, stop token ids, stop strings,
 max_tokens, the context limit) are applied here, token by token, so nothing past a stop is committed.
 
@@ -101,7 +102,6 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int = -1
     num_computed: int = 0            # target positions with KV
-    num_draft_computed: int = 0      # draft-model positions with KV
     finish_reason: str | None = None
     text: str | None = None          # output text when a decoder is given (cut at a stop string)
     num_rounds: int = 0
@@ -116,14 +116,6 @@ class Sequence:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    @property
-    def draft_catch_up(self) -> int:
-        """Draft-model positions to prefill before this sequence can draft (lazy draft mode): its
-        history (all but the last token, the next round's input) beyond the draft KV, or 0 when that
-        lag is the 1-2 positions a drafting round leaves behind anyway."""
-        lag = self.num_tokens - 1 - self.num_draft_computed
-        return lag if lag > 2 else 0
 
     def commit(self, tokens: Seq[int], eos_ids: Seq[int], max_model_len: int,
                decode: Callable[[list[int]], str] | None = None) -> int:

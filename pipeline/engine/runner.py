@@ -62,3 +62,8 @@ class ModelRunner:
         self.cache.layout = None
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.logits.float()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so wall-clock timings are honest on asynchronous devices."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
