@@ -197,8 +197,8 @@ class WorkerPool:
         c, now, out = self.cfg.cluster, self.clock(), Outcome()
         for w in list(self.live):
             if w.state == STARTING and w.placed_at is None and now - w.spawned_at > c.placement_timeout_s:
-                self.retire(w, f"not placed within {c.placement_timeout_s:.0f} s: needs {c.num_cpus_per_worker} "
-                               f"CPU, {c.num_gpus_per_worker} GPU; available now: {_available()}", replace=False)
+                self.retire(w, f"not placed within {c.placement_timeout_s:.0f} s: needs {c.num_cpus_per_worker:g} "
+                               f"CPU, {c.num_gpus_per_worker:g} GPU; available now: {_available()}", replace=False)
             elif w.state == STARTING and w.placed_at is not None and now - w.placed_at > c.load_timeout_s:
                 self.retire(w, f"model load not done within {c.load_timeout_s:.0f} s", replace=False)
             elif w.state == READY and w.units and now - w.progress_at > c.stall_timeout_s:
