@@ -3,9 +3,11 @@
 # Prints the `ray job submit` command for the demo job. See infra/README.md for real clusters.
 #
 #   bash infra/start_local_cluster.sh
+#   bash infra/start_local_cluster.sh --token-only    # only create/tighten the token file, start nothing
 #
 # Environment (all optional):
-#   RAY_AUTH_TOKEN_PATH  token file (default ~/.ray/auth_token; created with mode 0600 if absent)
+#   RAY_AUTH_TOKEN_PATH  token file (default ~/.ray/auth_token); created 0600, or an existing one
+#                        tightened to 0600, in a folder made 0700 (Ray's own writer uses the umask)
 #   RAY_GCS_PORT         GCS port (default 6379)
 #   RAY_DASHBOARD_PORT   dashboard / job API port (default 8265)
 #   RAY_TEMP_DIR         Ray's temp/session dir (default /tmp/ray). Give every head on one machine its
@@ -33,17 +35,14 @@ TEMP_DIR="${RAY_TEMP_DIR:-/tmp/ray}"
 
 if [[ ! -s "$TOKEN_FILE" ]]; then
   (umask 077 && mkdir -p "$(dirname "$TOKEN_FILE")")
-  if [[ "$TOKEN_FILE" == "$DEFAULT_TOKEN" ]]; then
-    # Ray's own generator writes ~/.ray/auth_token.
-    (umask 077 && env -u RAY_AUTH_TOKEN -u RAY_AUTH_TOKEN_PATH ray get-auth-token --generate >/dev/null)
-  else
-    (umask 077 && python -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN_FILE")
-  fi
+  (umask 077 && python -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN_FILE")
   echo "generated a new token in $TOKEN_FILE"
 fi
-if [[ -n "$(find "$TOKEN_FILE" -perm /077 2>/dev/null)" ]]; then
-  echo "warning: $TOKEN_FILE is readable by other users (chmod 600 it)" >&2
+chmod 600 "$TOKEN_FILE"
+if [[ "$TOKEN_FILE" == "$DEFAULT_TOKEN" ]]; then
+  chmod 700 "$(dirname "$TOKEN_FILE")"               # ~/.ray holds only Ray's private state
 fi
+[[ "${1:-}" == "--token-only" ]] && exit 0
 
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH="$TOKEN_FILE"
