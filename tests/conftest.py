@@ -252,6 +252,11 @@ class RayHead:
 
 def _process_group_members(pgid: int) -> list[int]:
     """Live processes whose process group is `pgid` (Linux /proc)."""
+    return proc_members(pgrp=pgid)
+
+
+def proc_members(pgrp: int | None = None, session: int | None = None) -> list[int]:
+    """Live (non-zombie) processes in a process group or session, from /proc/<pid>/stat."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -260,8 +265,9 @@ def _process_group_members(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp session ...
+        if fields[0] != "Z" and (pgrp is None or int(fields[2]) == pgrp) \
+                and (session is None or int(fields[3]) == session):
             pids.append(int(entry.name))
     return pids
 

@@ -389,18 +389,8 @@ def session_members(sid: int) -> list[int]:
     start_new_session leads its own session; its raylet and agents share its process group, but
     each Ray worker gets a process group of its own inside the session, so the session is what
     holds all of one node's processes."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+    from conftest import proc_members
+    return proc_members(session=sid)
 
 
 def _cmdline(pid: int) -> list[str]:

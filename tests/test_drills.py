@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RayHead
-from faults import RayNode, S3FaultProxy, small_disk, wait_for_nodes
+from faults import RayNode, S3FaultProxy, _cmdline, small_disk, wait_for_nodes
 from pipeline.cluster.driver import JobFailed, run_job
 from pipeline_util import job_config, job_overrides, prompt_rows, read_run, write_parquet
 from test_pipeline import _check_exactly_once, _shards
@@ -98,6 +98,7 @@ def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
         rc = job.wait(timeout=VERDICT_S + 120)
         assert rc == 0, job.output[-3000:]
         assert time.time() - killed < VERDICT_S + 60
+        print(f"lost node (spare={spare}): exit {rc} {time.time() - killed:.1f} s after the kill")
         wait_for_nodes(small_head, dead_ids=[lost.node_id], timeout=30)
     finally:
         for n in nodes:
@@ -197,6 +198,7 @@ def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_
     took = time.time() - t_fault
     assert rc == 1, job.output[-3000:]
     assert took < VERDICT_S, f"verdict after {took:.0f} s"
+    print(f"S3 outage: exit {rc} {took:.1f} s after the outage began; {job.output.strip().splitlines()[-2][:300]}")
     text = job.output
     assert "job failed:" in text and "no worker left" not in text
     assert "SlowDown" in text or "503" in text or "Service Unavailable" in text, text[-3000:]
@@ -226,6 +228,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         t_full = time.time()
         rc = job.wait(timeout=VERDICT_S + 60)
         assert rc == 1 and time.time() - t_full < VERDICT_S, job.output[-3000:]
+        print(f"full disk: exit {rc} {time.time() - t_full:.1f} s after the disk filled")
         assert "No space left on device" in job.output and "no worker left" not in job.output
         for marker in (disk / "out" / "t" / "_committed").glob("*.json"):
             json.loads(marker.read_text())                     # every marker whole: none torn
@@ -254,16 +257,9 @@ def test_second_driver_on_a_live_run_is_refused(tiny_model_dir, ray_head, tmp_pa
 
 
 def _ray_daemons() -> set[int]:
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if os.path.basename(cmd) in (b"raylet", b"gcs_server"):
-                pids.add(int(entry.name))
-    return pids
+    """Pids of every raylet and GCS server on this machine."""
+    return {int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and os.path.basename(_cmdline(int(e.name))[0]) in ("raylet", "gcs_server")}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -287,6 +283,7 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     t_sig = time.time()
     assert job.wait(timeout=90) == 128 + sig, job.output[-3000:]
     assert time.time() - t_sig < 60
+    print(f"{sig.name}: exit {128 + sig} {time.time() - t_sig:.1f} s after the signal")
     text = job.output
     assert f"interrupted by {sig.name}:" in text and "units committed" in text
     assert "resume with:" in text and "Traceback" not in text

@@ -26,8 +26,8 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.credentials import Credentials
-from moto.server import ThreadedMotoServer
 
+from test_s3 import moto_endpoint  # noqa: F401 -- the module's moto server fixture
 from faults import (FAST_NODE_FAILURE_ENV, RayNode, S3FaultProxy, cluster_nodes, fill_until_full,
                     session_members, small_disk, wait_for_nodes)
 
@@ -36,17 +36,6 @@ KEY, SECRET, REGION = "fault-test-key", "fault-test-secret-7c1d", "us-east-1"
 NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}       # one call = one request
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    """One moto S3 server on loopback for the module, started and stopped here."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
 
 
 def boto_client(url: str, retries: bool = False):

@@ -37,7 +37,7 @@ import yaml
 from ..config import StorageConfig
 from .reader import Unit, filesystem
 from .schema import TABLES
-from .storage import RetryPolicy, StorageError, describe, put_atomic, retrying
+from .storage import StorageError, describe, put_atomic, retrying
 
 KINDS = tuple(TABLES)
 log = logging.getLogger(__name__)
