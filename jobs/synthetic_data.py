@@ -72,7 +72,7 @@ def run(plan, show: int) -> int:
         q, s = result.slot_summary["quality"], result.slot_summary
         print(f"quality: {q['checked']} completions checked: {q['empty']} empty, {q['truncated']} truncated, "
               f"{q['duplicate']} duplicates (flagged, not dropped), {q['kept']} kept; {s['errors']} input rows "
-              f"failed {s['error_reasons'] or ''}; curated table: {plan.url}/curated/")
+              f"failed{' ' + str(s['error_reasons']) if s['error_reasons'] else ''}; curated: {plan.url}/curated/")
     print(result.message)
     return 0
 

@@ -71,6 +71,11 @@ def test_resolve_slot_at_a_fixed_time():
         resolve_slot(ScheduleConfig(cron=None), None)
 
 
+def test_quoted_cron_overrides():
+    for cron in ("@daily", "*/15 * * * *"):
+        assert load_synthetic_config("configs/synthetic.yaml", [f"schedule.cron='{cron}'"]).schedule.cron == cron
+
+
 def test_given_slot_is_checked_against_the_schedule():
     hourly, daily = parse_cron("0 * * * *"), parse_cron("0 0 * * *")
     assert parse_slot(SLOT, hourly) == parse_slot(SLOT, daily) == datetime(2026, 11, 30)
@@ -99,6 +104,7 @@ def test_bad_cron_says_the_expected_format(cron, says):
     (["--slot", "2026-11-30T00", "schedule.cron=0 25 * * *"], "config error: schedule.cron: hour field '25'"),
     (["schedule.cron=null"], "no slot: give --slot YYYY-MM-DDTHH"),
     (["schedule.timezone=Mars/Olympus"], "schedule.timezone: unknown time zone"),
+    (["schedule.cron=@daily"], "config error: an override is not valid YAML"),                # unquoted @
     (["--slot", SLOT, "synthetic.id_column=nope"], "seed set error: synthetic.seeds 'data/synthetic/seeds.parquet': "
                                                     "no 'nope' column"),
     (["--slot", SLOT, "synthetic.templates.0.text=x"], "config error: Cannot merge"),
