@@ -115,9 +115,13 @@ class InputConfig:
     rows_per_unit: int = 256                # a work unit is (file, row range) of at most this many rows
     check_duplicate_ids: bool = True        # plan-time pass over the id column (memory ~ number of ids)
     limit: Optional[int] = None             # plan at most this many rows in total
+    passthrough_columns: list[str] = field(default_factory=list)   # input columns copied into every
+                                            # completions/rounds/errors row (as strings; JSON for
+                                            # non-strings); each must exist in every shard
 
     def __post_init__(self):
         _one_of("input.format", self.format, INPUT_FORMATS)
+        _check_passthrough(self.passthrough_columns)
         if self.rows_per_unit < 1:
             raise ConfigError(f"input.rows_per_unit: expected >= 1, got {self.rows_per_unit}")
         if self.limit is not None and self.limit < 1:
@@ -236,15 +240,25 @@ class JobConfig:
             raise ConfigError("cluster.num_gpus_per_worker: models.device=cuda needs a GPU per worker (> 0)")
 
 
+def _check_passthrough(names: list[str]) -> None:
+    from .io.schema import TABLES
+    reserved = {n for schema in TABLES.values() for n in schema.names}
+    bad = [n for n in names if not n or n in reserved]
+    if bad or len(set(names)) != len(names):
+        raise ConfigError(f"input.passthrough_columns: expected distinct names that are not output columns "
+                          f"({sorted(reserved)}), got {list(names)}")
+
+
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> JobConfig:
-    """YAML file + dotlist overrides -> validated JobConfig. Raises ConfigError naming the key."""
+def load_config(path: str | None = None, overrides: list[str] = (), schema: type = JobConfig) -> JobConfig:
+    """YAML file + dotlist overrides -> validated JobConfig (or `schema`, a JobConfig subclass with
+    more sections). Raises ConfigError naming the key."""
     try:
-        merged = OmegaConf.structured(JobConfig)
+        merged = OmegaConf.structured(schema)
         if path:
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
@@ -272,6 +286,8 @@ def hashed_tree(cfg: JobConfig) -> dict:
         tree.pop(key)
     for key in ("progress", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
+    if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
+        tree["input"].pop("passthrough_columns")
     return tree
 
 

@@ -6,6 +6,7 @@ Knows the tokenizer (for the chat template) but not the engine, files or Ray.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .config import InputConfig, SamplingConfig
@@ -44,6 +45,19 @@ def row_id(row: dict, index: int, rel: str, inp: InputConfig) -> str:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise RowError("missing_id", inp.id_column, f"expected a non-empty id, got {value!r}")
     return str(value)
+
+
+def passthrough(row, inp: InputConfig) -> dict:
+    """The configured pass-through columns of a raw input row, as strings (JSON for non-strings,
+    null when missing), for every output row of that input row."""
+    get = row.get if isinstance(row, dict) else (lambda name: None)
+    return {name: _as_text(get(name)) for name in inp.passthrough_columns}
+
+
+def _as_text(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def _messages(value, field: str) -> list[dict]:

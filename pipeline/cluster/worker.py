@@ -26,7 +26,7 @@ from ..engine import Completion, RequestError, RoundRecord
 from ..io.reader import Unit, iter_rows
 from ..io.schema import to_table
 from ..io.writer import RunOutput
-from ..rows import RowError, default_id, row_request
+from ..rows import RowError, default_id, passthrough, row_request
 
 
 @dataclass
@@ -36,6 +36,7 @@ class _UnitState:
     rows: object                                      # iterator of (index, row)
     is_exhausted: bool = False
     pending: dict = field(default_factory=dict)       # request id -> (source row, time queued)
+    passthrough: dict = field(default_factory=dict)   # request id -> its input.passthrough_columns values
     completions: list = field(default_factory=list)
     rounds: list = field(default_factory=list)
     errors: list = field(default_factory=list)
@@ -187,6 +188,7 @@ class GenerationWorker:
         except RequestError as e:
             return self._error_row(state, index, row, req.id, e.code, e.field, str(e).split(": ", 1)[-1])
         state.pending[req.id] = (index, time.perf_counter())
+        state.passthrough[req.id] = passthrough(row, cfg.input)
 
     def _error_row(self, state, index, row, fallback_id, reason, field_name, message) -> None:
         rid = row.get(self.cfg.input.id_column) if isinstance(row, dict) else None
@@ -194,20 +196,22 @@ class GenerationWorker:
             "id": str(rid) if rid is not None and reason != "missing_id" else fallback_id,
             "reason": reason, "field": field_name, "message": message, "source_file": state.unit.file,
             "source_row": index, "unit": state.unit.uid, "run_id": self.cfg.run.run_id,
-            "config_hash": self.config_hash})
+            "config_hash": self.config_hash, **passthrough(row, self.cfg.input)})
         self._stats["rows"] += 1
 
     def _route(self, out, active: list[_UnitState]) -> None:
         owner = {rid: s for s in active for rid in s.pending}
         for r in out.rounds:
-            owner[r.request_id].rounds.append(self._round_row(r, owner[r.request_id].unit.uid))
+            owner[r.request_id].rounds.append({**self._round_row(r, owner[r.request_id].unit.uid),
+                                               **owner[r.request_id].passthrough[r.request_id]})
             self._stats["tokens"] += r.emitted
             self._stats["drafted"] += r.draft_len
             self._stats["accepted"] += r.accepted
         for c in out.finished:
             state = owner[c.request_id]
             index, queued = state.pending.pop(c.request_id)
-            state.completions.append(self._completion_row(c, state.unit, index, time.perf_counter() - queued))
+            state.completions.append({**self._completion_row(c, state.unit, index, time.perf_counter() - queued),
+                                      **state.passthrough.pop(c.request_id)})
             self._stats["rows"] += 1
         self._stats["steps"] += 1
 
@@ -239,8 +243,10 @@ class GenerationWorker:
             if len(state.completions) + len(state.errors) != unit.num_rows or state.num_rows != unit.num_rows:
                 raise RuntimeError(f"unit {unit.uid}: {unit.num_rows} rows planned, {state.num_rows} read, "
                                    f"{len(state.completions)} completions + {len(state.errors)} errors")
-            tables = {"completions": to_table("completions", state.completions),
-                      "rounds": to_table("rounds", state.rounds), "errors": to_table("errors", state.errors)}
+            extra = self.cfg.input.passthrough_columns
+            tables = {"completions": to_table("completions", state.completions, extra),
+                      "rounds": to_table("rounds", state.rounds, extra),
+                      "errors": to_table("errors", state.errors, extra)}
             marker = {"rows": unit.num_rows, "completions": len(state.completions), "errors": len(state.errors),
                       "tokens": sum(c["completion_tokens"] for c in state.completions),
                       "draft_tokens": sum(c["draft_tokens"] for c in state.completions),

@@ -193,6 +193,9 @@ def plan_units(cfg: InputConfig, storage: StorageConfig) -> list[Unit]:
         if cfg.prompt_column not in columns and cfg.messages_column not in columns:
             raise InputError(f"{url}: needs a {cfg.prompt_column!r} or {cfg.messages_column!r} column "
                              f"(input.prompt_column / input.messages_column); found {columns}")
+        missing = [c for c in cfg.passthrough_columns if c not in columns]
+        if missing:
+            raise InputError(f"{url}: input.passthrough_columns {missing} not found; found {columns}")
         if budget is not None:
             num_rows, budget = min(num_rows, budget), budget - min(num_rows, budget)
         for start in range(0, num_rows, cfg.rows_per_unit):

@@ -1,6 +1,7 @@
 """Arrow schemas of the three outputs. Every unit writes all three files, empty ones included, with
-these exact schemas, so any subset of units concatenates and loads with pandas, pyarrow or
-`datasets.load_dataset("parquet", ...)` without schema conflicts."""
+these exact schemas (plus the run's `input.passthrough_columns`, the same for every unit), so any
+subset of units concatenates and loads with pandas, pyarrow or `datasets.load_dataset("parquet", ...)`
+without schema conflicts."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -62,6 +63,15 @@ ERRORS = pa.schema([
 TABLES = {"completions": COMPLETIONS, "rounds": ROUNDS, "errors": ERRORS}
 
 
-def to_table(kind: str, rows: list[dict]) -> pa.Table:
+def table_schema(kind: str, passthrough: list[str] | tuple = ()) -> pa.Schema:
+    """The fixed schema of `kind`, then the configured pass-through input columns (strings, in
+    config order: every unit of a run has the same schema)."""
+    schema = TABLES[kind]
+    for name in passthrough:
+        schema = schema.append(pa.field(name, pa.string()))
+    return schema
+
+
+def to_table(kind: str, rows: list[dict], passthrough: list[str] | tuple = ()) -> pa.Table:
     """Rows (dicts with exactly the schema's keys) -> a table with the fixed schema."""
-    return pa.Table.from_pylist(rows, schema=TABLES[kind])
+    return pa.Table.from_pylist(rows, schema=table_schema(kind, passthrough))

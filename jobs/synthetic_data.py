@@ -1,0 +1,81 @@
+"""Scheduled synthetic-data job, one committed result per time slot:
+
+    python jobs/synthetic_data.py --config configs/synthetic.yaml [--slot 2026-11-30T00] [key=value ...]
+
+Expands the seed set (synthetic.seeds) x templates x samples into rows with per-row seeds, generates
+them with the same driver, workers and writer as jobs/generate.py, and commits them under
+`<output.path>/slot=<slot>/` with a quality gate (curated/). The slot is `--slot`, else the most
+recent fire time of schedule.cron in schedule.timezone (hourly: the hour that just started). See
+pipeline/synthetic.py for the layout and the exactly-once protocol.
+
+Exit codes: 0 once the slot is committed -- by this run, or already (a repeat commits nothing and
+says "slot ... already committed by run ..."), or while another live run is generating it (this
+one commits nothing; the message names the holder); 2 for a bad config, schedule, slot, seed set,
+model or output location (nothing ran), or a slot started with another config; 1 for a failed job
+(rerunning resumes); 130 / 143 after SIGINT / SIGTERM (committed units stay; rerun to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipeline.config import ConfigError  # noqa: E402
+from pipeline.schedule import ScheduleError  # noqa: E402
+from pipeline.synthetic import SeedError, load_synthetic_config, plan_slot, resolve_slot  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (configs/synthetic.yaml)")
+    parser.add_argument("--slot", help="the slot to generate (YYYY-MM-DDTHH, or YYYY-MM-DDTHH-MM for schedules "
+                                       "firing several times an hour); default: the schedule's current slot")
+    parser.add_argument("--show", type=int, default=2, help="completions to print at the end")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. synthetic.seeds_per_slot=8")
+    args = parser.parse_intermixed_args(argv)      # overrides may come before and after --slot
+    try:
+        cfg = load_synthetic_config(args.config, args.overrides)
+        slot = resolve_slot(cfg.schedule, args.slot)
+        plan = plan_slot(cfg, slot)
+    except (ConfigError, ScheduleError, SeedError) as e:
+        kind = next(name for cls, name in ((ScheduleError, "slot/schedule"), (SeedError, "seed set"),
+                                           (ConfigError, "config")) if isinstance(e, cls))
+        print(f"{kind} error: {e}", file=sys.stderr)
+        return 2
+    print(f"slot {slot}: {len(plan.rows)} rows -> {plan.url}", flush=True)
+    return run(plan, args.show)
+
+
+def run(plan, show: int) -> int:
+    from pipeline.cluster.driver import Interrupted, JobFailed, StopRequest
+    from pipeline.io.reader import InputError
+    from pipeline.io.writer import OutputError
+    from pipeline.report import print_summary
+    from pipeline.synthetic import run_slot
+    stop = StopRequest()
+    stop.install()
+    try:
+        result = run_slot(plan, stop)
+    except (InputError, OutputError) as e:
+        print(f"input/output error: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"job failed: {e}\nthe committed units stay; rerun the same command to resume", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"{e}; uncommitted units left nothing visible; rerun the same command to resume", file=sys.stderr)
+        return 128 + e.signum
+    if result.summary is not None:
+        print_summary(result.summary, show=show, storage=plan.job.storage)
+        q, s = result.slot_summary["quality"], result.slot_summary
+        print(f"quality: {q['checked']} completions checked: {q['empty']} empty, {q['truncated']} truncated, "
+              f"{q['duplicate']} duplicates (flagged, not dropped), {q['kept']} kept; {s['errors']} input rows "
+              f"failed{' ' + str(s['error_reasons']) if s['error_reasons'] else ''}; curated: {plan.url}/curated/")
+    print(result.message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
