@@ -151,7 +151,7 @@ class WorkerPool:
     def resolve(self, ref) -> Outcome:
         """Account for one finished ref (placement, load or unit)."""
         for w in self.live:
-            if ref is w.placed_ref or ref == w.placed_ref:
+            if ref == w.placed_ref:
                 return self._on_placed(w)
             if ref == w.load_ref:
                 return self._on_loaded(w)
