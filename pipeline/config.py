@@ -15,6 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -267,6 +268,19 @@ def load_config(path: str | None = None, overrides: list[str] = (), schema: type
         key = getattr(e, "full_key", None)
         msg = str(e.msg if hasattr(e, "msg") else e).splitlines()[0]
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    except yaml.YAMLError as e:       # override values are YAML: a leading @ or * must be quoted
+        bad = next((o for o in overrides if _not_yaml(o)), None)
+        where = f"override {bad!r}" if bad else f"config file {path}"
+        raise ConfigError(f"{where} is not valid YAML ({str(e).splitlines()[0]}); quote values that start "
+                          f"with @ or *, e.g. \"schedule.cron='@daily'\"") from None
+
+
+def _not_yaml(override: str) -> bool:
+    try:
+        OmegaConf.from_dotlist([override])
+        return False
+    except yaml.YAMLError:
+        return True
 
 
 def redacted(cfg: JobConfig) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -256,10 +257,16 @@ def test_second_driver_on_a_live_run_is_refused(tiny_model_dir, ray_head, tmp_pa
     _check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
 
 
-def _ray_daemons() -> set[int]:
-    """Pids of every raylet and GCS server on this machine."""
-    return {int(e.name) for e in Path("/proc").iterdir()
-            if e.name.isdigit() and os.path.basename(_cmdline(int(e.name))[0]) in ("raylet", "gcs_server")}
+def _ray_daemons(started_by: int) -> set[int]:
+    """Pids of the raylet and GCS server of the local Ray that process `started_by` started (its
+    session folder ends in that pid: session_<date>_<time>_<pid>)."""
+    session = re.compile(rf"session_[0-9_-]+_{started_by}(/|$)")
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        args = _cmdline(int(entry.name)) if entry.name.isdigit() else []
+        if args and os.path.basename(args[0]) in ("raylet", "gcs_server") and any(map(session.search, args)):
+            pids.add(int(entry.name))
+    return pids
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -274,9 +281,9 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     env.update(HOME=str(home), RAY_AUTH_MODE="token")
     overrides = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), "input.rows_per_unit=2",
                               "sampling.max_tokens=24", "cluster.num_workers=1", "cluster.shutdown_grace_s=5")
-    before = _ray_daemons()
     job = Job(tmp_path, overrides, env=env)
     _wait_for_markers(tmp_path / "out" / "t", 2, job)
+    assert _ray_daemons(job.proc.pid), "the job's own Ray daemons were not found: the check below would be empty"
     token = home / ".ray" / "auth_token"
     assert (token.stat().st_mode & 0o777, token.parent.stat().st_mode & 0o777) == (0o600, 0o700)
     job.proc.send_signal(sig)
@@ -288,9 +295,9 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     assert f"interrupted by {sig.name}:" in text and "units committed" in text
     assert "resume with:" in text and "Traceback" not in text
     deadline = time.time() + 20
-    while _ray_daemons() - before and time.time() < deadline:
+    while _ray_daemons(job.proc.pid) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _ray_daemons() - before, "the job's Ray processes outlived it"
+    assert not _ray_daemons(job.proc.pid), "the job's Ray processes outlived it"
     committed = len(list((tmp_path / "out" / "t" / "_committed").glob("*.json")))
     assert 2 <= committed < 10
     rerun = Job(tmp_path, overrides, env=env, name="rerun")

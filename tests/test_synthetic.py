@@ -104,7 +104,7 @@ def test_bad_cron_says_the_expected_format(cron, says):
     (["--slot", "2026-11-30T00", "schedule.cron=0 25 * * *"], "config error: schedule.cron: hour field '25'"),
     (["schedule.cron=null"], "no slot: give --slot YYYY-MM-DDTHH"),
     (["schedule.timezone=Mars/Olympus"], "schedule.timezone: unknown time zone"),
-    (["schedule.cron=@daily"], "config error: an override is not valid YAML"),                # unquoted @
+    (["schedule.cron=@daily"], "config error: override 'schedule.cron=@daily' is not valid YAML"),              # unquoted @
     (["--slot", SLOT, "synthetic.id_column=nope"], "seed set error: synthetic.seeds 'data/synthetic/seeds.parquet': "
                                                     "no 'nope' column"),
     (["--slot", SLOT, "synthetic.templates.0.text=x"], "config error: Cannot merge"),
