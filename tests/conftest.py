@@ -180,7 +180,10 @@ class RayHead:
     /tmp/ray is whichever head on this machine started last (another test session's, another token).
 
     Note: Ray replaces `--node-ip-address 127.0.0.1` with the host's routable IP (GCS and raylet
-    advertise it); only the dashboard/job API is pinned to loopback by `--dashboard-host`."""
+    advertise it); only the dashboard/job API is pinned to loopback by `--dashboard-host`.
+
+    `metrics_export_port` fixes the node's Prometheus endpoint (`--metrics-export-port`); `env` adds
+    variables for the head and the workers it starts (e.g. `RAY_metrics_report_interval_ms`)."""
 
     def __init__(self, num_cpus: int = 4, timeout: float = 180.0, metrics_export_port: int | None = None,
                  env: dict | None = None):

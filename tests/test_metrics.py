@@ -3,10 +3,8 @@ dedicated `ray start --head` whose node metrics endpoint is scraped while the jo
 ends; the counters must add up to the run's committed output."""
 import collections
 import json
-import os
 import re
-import subprocess
-import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -15,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import TOKENIZER_FILES, RayHead, free_port, noisy_copy, tiny_llama
+from pipeline.cluster.driver import run_job
 from pipeline.cluster.metrics import Tally, TokenRate, WorkerMetrics
 from pipeline.config import config_hash, load_config
-from pipeline_util import job_overrides, manifest, read_run
+from pipeline_util import job_config, read_run
 
-REPO = Path(__file__).resolve().parents[1]
 SERIES = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -57,6 +55,21 @@ def test_disabled_metrics_touch_nothing_and_the_switch_is_not_hashed():
     assert not m.tally.counts and not m._counters
     on, off = load_config(None, ["run.metrics=true"]), load_config(None, ["run.metrics=false"])
     assert config_hash(on) == config_hash(off)
+
+
+def test_unavailable_metrics_turn_off_without_failing(monkeypatch, caplog):
+    import ray.util.metrics
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no metrics agent")
+    monkeypatch.setattr(ray.util.metrics, "Counter", broken)
+    assert not WorkerMetrics("w0", "r").enabled                 # creation failed: off, with a warning
+    monkeypatch.undo()
+    m = WorkerMetrics("w0", "r", flush_every_s=0)
+    assert m.enabled
+    monkeypatch.setattr(m, "_record", broken)                   # recording failed: off, the step goes on
+    m.on_step(SimpleNamespace(rounds=[_round(1, [True], 2)], finished=[]), 1, 0)
+    assert not m.enabled and "live metrics off" in caplog.text
 
 
 # ---- on a real cluster ------------------------------------------------------------------------------
@@ -117,6 +130,13 @@ def noisy_draft_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+def _run(cfg, result: dict) -> None:
+    try:
+        result["summary"] = run_job(cfg)
+    except BaseException as e:  # noqa: BLE001 -- reported by the test
+        result["error"] = repr(e)
+
+
 def _input(path: Path) -> None:
     rows = [{"id": f"m{i}", "prompt": " ".join(["alpha beta gamma delta"] * (2 + i % 4)) + f" {i}"}
             for i in range(24)] + [{"id": "e1", "prompt": "   "}, {"id": "e2", "prompt": "Hi", "temperature": -1.0},
@@ -157,26 +177,22 @@ def test_live_metrics_scraped_during_and_after_a_job(tiny_model_dir, noisy_draft
     src = tmp_path / "in.jsonl"
     _input(src)
     run_id, port = "live", metrics_head.metrics_port
-    cli = job_overrides(tiny_model_dir, str(src), str(tmp_path / "out"), f"cluster.address={metrics_head.address}",
-                        f"run.run_id={run_id}", "sampling.max_tokens=24", "models.drafter=draft",
-                        f"models.draft={noisy_draft_dir}", "cluster.num_workers=1")
+    cfg = job_config(tiny_model_dir, str(src), str(tmp_path / "out"), f"cluster.address={metrics_head.address}",
+                     f"run.run_id={run_id}", "sampling.max_tokens=24", "models.drafter=draft",
+                     f"models.draft={noisy_draft_dir}", "cluster.num_workers=1")
+    result: dict = {}
+    job = threading.Thread(target=_run, args=(cfg, result), name="job", daemon=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "jobs/generate.py", *cli], cwd=REPO, env=os.environ.copy(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job.start()
     live = {}
-    try:
-        while proc.poll() is None and time.monotonic() - t0 < 120:
-            series = scrape(port, run_id)
-            if by(series, "ray_specpipe_generation_tokens_total") and proc.poll() is None:
-                live = series
-                break
-            time.sleep(0.3)
-        log = proc.communicate(timeout=120)[0].decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log[-3000:]
+    while job.is_alive() and time.monotonic() - t0 < 120:
+        series = scrape(port, run_id)
+        if by(series, "ray_specpipe_generation_tokens_total") and job.is_alive():
+            live = series                               # the run's counters, read while it runs
+            break
+        time.sleep(0.3)
+    job.join(timeout=120)
+    assert not job.is_alive() and "error" not in result, result.get("error")
     print(f"job {time.monotonic() - t0:.1f} s")
     assert live, "no metric of the run was scraped while it ran"
     gauges = {name for name, _ in live}
@@ -184,7 +200,7 @@ def test_live_metrics_scraped_during_and_after_a_job(tiny_model_dir, noisy_draft
             "ray_specpipe_generation_tokens_per_s"} <= gauges, sorted(gauges)
 
     run_dir = tmp_path / "out" / run_id
-    run, summary = read_run(run_dir), manifest(run_dir)
+    run, summary = read_run(run_dir), result["summary"]
     expected = _expected(run, summary)
     accepted = expected["ray_specpipe_spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted[None] < expected["ray_specpipe_spec_decode_num_draft_tokens_total"][None]
