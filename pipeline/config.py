@@ -212,6 +212,7 @@ class RunConfig:
     run_id: str = "demo"                    # output folder name; files depend only on (run id, unit id)
     seed: int = 0                           # per-row generators are seeded from (seed, row id)
     progress: bool = True
+    metrics: bool = True                    # live metrics through ray.util.metrics (pipeline/cluster/metrics.py)
     resume: bool = True                     # skip units already committed under this run id
     lease_ttl_s: float = 60                 # a driver's run lease expires this long after its last
                                             # heartbeat (every ttl/4); then another driver may take over
@@ -294,11 +295,11 @@ def redacted(cfg: JobConfig) -> dict:
 
 def hashed_tree(cfg: JobConfig) -> dict:
     """What determines the output: everything but where and how the job runs (cluster, storage,
-    progress display, resume, the lease) and failure drills."""
+    progress display, live metrics, resume, the lease) and failure drills."""
     tree = asdict(cfg)
     for key in ("cluster", "storage", "debug"):
         tree.pop(key)
-    for key in ("progress", "resume", "lease_ttl_s"):
+    for key in ("progress", "metrics", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")

@@ -180,14 +180,18 @@ class RayHead:
     /tmp/ray is whichever head on this machine started last (another test session's, another token).
 
     Note: Ray replaces `--node-ip-address 127.0.0.1` with the host's routable IP (GCS and raylet
-    advertise it); only the dashboard/job API is pinned to loopback by `--dashboard-host`."""
+    advertise it); only the dashboard/job API is pinned to loopback by `--dashboard-host`.
 
-    def __init__(self, num_cpus: int = 4, timeout: float = 180.0):
+    `metrics_export_port` fixes the node's Prometheus endpoint (`--metrics-export-port`); `env` adds
+    variables for the head and the workers it starts (e.g. `RAY_metrics_report_interval_ms`)."""
+
+    def __init__(self, num_cpus: int = 4, timeout: float = 180.0, metrics_export_port: int | None = None,
+                 env: dict | None = None):
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         bin_dir = os.path.dirname(sys.executable)
-        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", **(env or {})}
         self.ray = os.path.join(bin_dir, "ray")
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")     # short: Ray's socket paths live here
         cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port",
@@ -195,6 +199,8 @@ class RayHead:
                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                "--num-cpus", str(num_cpus), "--disable-usage-stats", "--include-dashboard", "true",
                "--temp-dir", self.temp_dir]
+        if metrics_export_port is not None:     # the node's Prometheus endpoint (else Ray picks a port)
+            cmd += ["--metrics-export-port", str(metrics_export_port)]
         self.log_path = Path(self.temp_dir) / "ray-start.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,

@@ -27,6 +27,7 @@ from ..io.reader import Unit, iter_rows
 from ..io.schema import to_table
 from ..io.writer import RunOutput
 from ..rows import RowError, default_id, passthrough, row_request
+from .metrics import WorkerMetrics
 
 
 @dataclass
@@ -63,6 +64,7 @@ class GenerationWorker:
         self._error: BaseException | None = None
         self._stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "units": 0,
                        "step_s": 0.0}
+        self._metrics = WorkerMetrics(name, cfg.run.run_id, enabled=False)    # a no-op until load()
 
     # ---- actor methods --------------------------------------------------------------------------
     def ping(self) -> str:
@@ -95,6 +97,7 @@ class GenerationWorker:
         self.output = RunOutput(self.cfg.output.path, self.cfg.run.run_id, self.cfg.storage,
                                 self.cfg.output.compression)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="unit-writer")
+        self._metrics = WorkerMetrics(self.name, self.cfg.run.run_id, enabled=self.cfg.run.metrics)
         threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
         return {"worker": self.name, "target": self.loaded.target_id, "draft": self.loaded.draft_id,
                 "load_s": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
@@ -136,7 +139,10 @@ class GenerationWorker:
                     out = engine.step()
                     self._stats["step_s"] += time.perf_counter() - t0
                     self._route(out, active)
+                    self._metrics.on_step(out, engine.num_running, engine.num_waiting)
                     self._drill_crash_after_steps()
+                else:
+                    self._metrics.maybe_flush()
                 for state in [s for s in active if s.is_done]:
                     active.remove(state)
                     self._writer.submit(self._commit, state)
@@ -198,6 +204,7 @@ class GenerationWorker:
             "source_row": index, "unit": state.unit.uid, "run_id": self.cfg.run.run_id,
             "config_hash": self.config_hash, **passthrough(row, self.cfg.input)})
         self._stats["rows"] += 1
+        self._metrics.on_error_row(reason)
 
     def _route(self, out, active: list[_UnitState]) -> None:
         owner = {rid: s for s in active for rid in s.pending}
@@ -256,7 +263,9 @@ class GenerationWorker:
                       "start": unit.start, "stop": unit.stop, "wall_s": round(time.time() - state.started, 3),
                       "committed_at": time.time()}
             hook = _exit_now if self.cfg.debug.crash_before_commit else None
-            state.future.set_result(self.output.write_unit(unit.uid, tables, marker, before_commit=hook))
+            committed = self.output.write_unit(unit.uid, tables, marker, before_commit=hook)
+            self._metrics.on_commit()                   # flushed before the driver hears of the commit
+            state.future.set_result(committed)
             self._stats["units"] += 1
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through the unit's call
             state.future.set_exception(e)
