@@ -64,7 +64,7 @@ def render(name: str, series: dict[str, dict]):
     from matplotlib.ticker import MaxNLocator
     for ax in fig.axes:
         ax.grid(alpha=0.3)
-        if name != "tokens_per_s":
+        if name in ("batch_size", "draft_length"):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, names = fig.axes[0].get_legend_handles_labels()
     rows = -(-len(names) // 2)
@@ -84,7 +84,15 @@ def _draw_positions(plt, series):
     a.set(xlabel="draft position i", ylabel="probability", ylim=(0, 1.05),
           title="P(accepted length >= i) per drafting round\n(vLLM's per-position acceptance rate)")
     b.set(xlabel="draft position i", title="P(position i accepted | 1..i-1 accepted, i drafted)")
+    _category_ticks((a, b), series, "position")
     return fig
+
+
+def _category_ticks(axes, series, x: str) -> None:
+    """Integer categories as ticks (a locator shows 3.6 ... 4.4 around a single bar)."""
+    ticks = sorted({v for s in series.values() for v in s[x]})
+    for ax in axes:
+        ax.set_xticks(ticks)
 
 
 def _draw_lengths(plt, series):
@@ -93,7 +101,8 @@ def _draw_lengths(plt, series):
     for j, (label, s) in enumerate(series.items()):
         ax.bar([k + (j - (len(series) - 1) / 2) * width for k in s["emitted"]], s["share"], width=width, label=label)
     ax.set(xlabel="tokens committed in the round (accepted drafts + 1 bonus/recovered)",
-           ylabel="share of rounds", title="accepted length per round")
+           ylabel="share of rounds", ylim=(0, 1.05), title="accepted length per round")
+    _category_ticks((ax,), series, "emitted")
     return fig
 
 
@@ -106,6 +115,7 @@ def _draw_batch(plt, series):
           ylim=(0, 1.05), title="acceptance rate vs batch size")
     b.set(xlabel="running batch size (sequences in the step)", ylabel="draft tokens per round",
           title="draft length vs batch size")
+    b.set_ylim(bottom=0, top=max([1.0] + [v for s in series.values() for v in s["mean_draft_len"]]) * 1.1)
     return fig
 
 
@@ -115,6 +125,7 @@ def _draw_draft_len(plt, series):
         ax.plot(s["round"], s["mean_draft_len"], marker=".", label=label)
     ax.set(xlabel="round of the sequence (0 = first target forward)", ylabel="mean draft tokens per round",
            title="draft length over a sequence's rounds")
+    ax.set_ylim(bottom=0, top=max([1.0] + [v for s in series.values() for v in s["mean_draft_len"]]) * 1.1)
     return fig
 
 

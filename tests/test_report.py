@@ -165,9 +165,9 @@ def test_notebook_runs_top_to_bottom(tiny_model_dir, ray_head, tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", rows)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
                      f"cluster.address={ray_head.address}", "input.passthrough_columns=[kind]",
-                     "models.ngram_min=1", "sampling.max_tokens=16")
+                     "models.drafter=draft", f"models.draft={tiny_model_dir}")   # the target drafts: all accepted
     summary = run_job(cfg)
-    assert summary["draft_tokens"] > 0
+    assert summary["accepted_tokens"] == summary["draft_tokens"] > 0
     nb = nbformat.read(os.path.join(os.path.dirname(__file__), "..", "notebooks", "acceptance.ipynb"), as_version=4)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"SPECPIPE_RUN": str(tmp_path / "out" / "t"),      # the kernel imports this checkout's pipeline
@@ -183,5 +183,5 @@ def test_notebook_runs_top_to_bottom(tiny_model_dir, ray_head, tmp_path):
     outputs = "".join(o.get("text", "") + json.dumps(o.get("data", {}))
                       for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert f"rows: {summary['rows']}" in outputs and f"tokens: {summary['tokens']}" in outputs
-    assert "grouping by ['kind']" in outputs and "even" in outputs and "odd" in outputs
+    assert "grouping by ['kind']" in outputs and "unconditional" in outputs and "even" in outputs and "odd" in outputs
     assert outputs.count("image/png") == len(report_plots.FIGURES)
