@@ -10,8 +10,8 @@ DIR, default the run folder (several runs: the current directory). The statistic
 definitions are in pipeline/report_stats.py; this module loads and formats.
 
 Exit codes: 0 report printed (a partial run is reported as `partial: k/n units committed; missing:
-...`, still 0); 1 a URL holds no run (no `_plan.json`) or no committed unit, or a glob matched
-nothing; 2 bad arguments (a `--by` column the output does not have). Knows nothing about Ray or models.
+...`, still 0); 1 a URL holds no run (no `_plan.json`) or no committed unit (the other runs are
+still reported), or a glob matched nothing; 2 bad arguments (a `--by` column the output does not have). Knows nothing about Ray or models.
 """
 from __future__ import annotations
 
@@ -211,10 +211,13 @@ def main(argv=None) -> int:
     runs = [run_status(u, label) for u, label in zip(urls, labels(urls))]
     for r in runs:
         print(r.describe())
-    if not all(r.has_data for r in runs):
-        print("report: no committed run at " + ", ".join(r.url for r in runs if not r.has_data), file=sys.stderr)
+    empty = [r.url for r in runs if not r.has_data]
+    runs = [r for r in runs if r.has_data]
+    if empty:
+        print("report: no committed run at " + ", ".join(empty), file=sys.stderr)
+    if not runs:
         return 1
-    by = (["run"] if len(runs) > 1 else []) + [c for b in args.by for c in b.split(",") if c]
+    by = (["run"] if len(args.runs) > 1 or len(urls) > 1 else []) + [c for b in args.by for c in b.split(",") if c]
     frames = load_frames(runs)
     missing = [c for c in by if c not in frames["completions"].columns]
     if missing:
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     if args.plots is not None:
         out = args.plots or (runs[0].url if len(runs) == 1 else ".")
         print("\nwrote " + ", ".join(write_plots(frames["rounds"], by, out, bins=args.bins)))
-    return 0
+    return 1 if empty else 0
 
 
 if __name__ == "__main__":

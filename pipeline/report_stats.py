@@ -13,7 +13,9 @@ Definitions (every function takes `by`, a list of grouping columns; none = one g
     engine_s               speculative step time: draft_s + verify_s of every distinct engine step
                            (worker, step) in which the group had a round; prefill outside rounds and
                            scheduling are not counted. Steps are shared by all sequences of a batch,
-                           so groups that ran together each count the whole step.
+                           so groups that ran together each count the whole step. A run resumed by
+                           a new driver restarts worker names and step counters, so its steps can
+                           share a (worker, step) key with the first driver's and count once.
     tokens_per_s           tokens / engine_s (throughput of the engines while they decoded the group)
     per position i (1-based, over rounds that drafted >= 1 token, vLLM's `num_drafts`):
       unconditional        P(accepted >= i) = #rounds with accepted >= i / #rounds that drafted,

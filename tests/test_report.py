@@ -134,6 +134,9 @@ def test_cli_complete_partial_and_no_run(tmp_path, capsys):
     assert report.main([str(tmp_path / "empty")]) == 1
     assert "no run here" in capsys.readouterr().out
     assert report.main([str(tmp_path / "nothing-*")]) == 1
+    assert report.main([done, none]) == 1          # the empty run is named, the other still reported
+    text = capsys.readouterr().out
+    assert "none: no committed unit yet" in text and "== summary" in text
     assert report.main([done, "--by", "nope"]) == 2 and "['kind']" in capsys.readouterr().err
 
 
