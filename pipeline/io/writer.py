@@ -101,6 +101,10 @@ class RunOutput:
         self._put("config.yaml", yaml.safe_dump(config_tree, sort_keys=False).encode())
         self._put("_plan.json", json.dumps(plan).encode())
 
+    def plan(self) -> dict | None:
+        """The recorded plan ({config_hash, units, config}); None when the folder holds no run."""
+        return self._read_json("_plan.json")
+
     def _config_diff(self, old_plan: dict, new_tree: dict) -> str:
         if "config" not in old_plan:           # runs recorded before plans kept their config
             return f"recorded hash {old_plan['config_hash']}"
