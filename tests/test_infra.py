@@ -14,6 +14,9 @@
 - The cluster launcher config validates against Ray's own schema and config preparation, and keeps
   every port inside its security group.
 - The RayJob's entrypoint runs locally, with its exact arguments, against a real Ray head.
+- The RayCronJob (scheduled synthetic data) fires on its config's schedule.cron in schedule.timezone,
+  runs without --slot, and a tick resolves its own slot; the CRD has no concurrency policy (the job's
+  slot lease stands in for Forbid).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ import yaml
 
 from pipeline.config import ConfigError, load_config
 from pipeline.models import SHIPPED_MODELS
+from pipeline.schedule import parse_cron, parse_slot, zone
+from pipeline.synthetic import load_synthetic_config, resolve_slot
 from pipeline_util import manifest, prompt_rows, read_run, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,13 +52,19 @@ DOCKERFILE = INFRA / "Dockerfile"
 CRD_DIR = REPO / "tests" / "data" / "kuberay"
 
 KUBERAY_RELEASE = ("v1.7.0", "59d663aeec13760646da3db9c1cf8cfe883e30b7")
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml.gz", "RayJob": "ray.io_rayjobs.yaml.gz"}
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml.gz", "RayJob": "ray.io_rayjobs.yaml.gz",
+             "RayCronJob": "ray.io_raycronjobs.yaml.gz"}
 CRD_SHA256 = {   # of the uncompressed files, as listed in tests/data/kuberay/README.md
     "ray.io_rayclusters.yaml.gz": "c44704442eef0c6721ad40c1d66782c8bd3fdab9d3344306a5820910a679baa1",
     "ray.io_rayjobs.yaml.gz": "01a5cf3b17c1769fda44af7e82debcd98722f0c27b9ab84d084681c6649121f5",
+    "ray.io_raycronjobs.yaml.gz": "31c2c753bba01f7e8e89cb8e8c504131b58ee42090ca536d87f5ac27605a568e",
 }
-# ray-operator/controllers/ray/utils/constant.go (v1.7.0): MaxRayClusterNameLength, MaxRayJobNameLength
-MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
+# ray-operator/controllers/ray/utils/constant.go (v1.7.0): MaxRayClusterNameLength, MaxRayJobNameLength,
+# MaxRayCronJobNameLength (= 47 - 11: its RayJobs are named <name>-<unix minutes>)
+MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47, "RayCronJob": 36}
+JOB_KINDS = ("RayJob", "RayCronJob")       # the kinds that run an entrypoint (a RayJob spec)
+# entrypoint script -> the loader of its config (jobs/generate.py, jobs/synthetic_data.py)
+CONFIG_LOADERS = {"jobs/generate.py": load_config, "jobs/synthetic_data.py": load_synthetic_config}
 EXPOSING_SERVICE_TYPES = {"NodePort", "LoadBalancer"}
 EXPOSING_KINDS = {"Ingress", "IngressClass", "Gateway", "HTTPRoute", "Route"}
 
@@ -88,9 +99,14 @@ def kuberay_objects() -> list[tuple[Path, dict]]:
     return [(p, d) for p, d in k8s_objects() if d.get("apiVersion", "").startswith("ray.io/")]
 
 
+def job_spec(obj: dict) -> dict:
+    """The RayJobSpec of a RayJob, or of the RayJobs a RayCronJob creates (its jobTemplate)."""
+    return obj["spec"]["jobTemplate"] if obj["kind"] == "RayCronJob" else obj["spec"]
+
+
 def cluster_spec(obj: dict) -> dict:
-    """The RayClusterSpec of a RayCluster or of a RayJob's own cluster."""
-    return obj["spec"] if obj["kind"] == "RayCluster" else obj["spec"]["rayClusterSpec"]
+    """The RayClusterSpec of a RayCluster or of a (cron) job's own cluster."""
+    return obj["spec"] if obj["kind"] == "RayCluster" else job_spec(obj)["rayClusterSpec"]
 
 
 def pod_templates(obj: dict) -> list[tuple[str, dict]]:
@@ -98,8 +114,8 @@ def pod_templates(obj: dict) -> list[tuple[str, dict]]:
     spec = cluster_spec(obj)
     pods = [("head", spec["headGroupSpec"]["template"]["spec"])]
     pods += [(f"worker:{g['groupName']}", g["template"]["spec"]) for g in spec.get("workerGroupSpecs", [])]
-    if obj["kind"] == "RayJob" and "submitterPodTemplate" in obj["spec"]:
-        pods.append(("submitter", obj["spec"]["submitterPodTemplate"]["spec"]))
+    if obj["kind"] in JOB_KINDS and "submitterPodTemplate" in job_spec(obj):
+        pods.append(("submitter", job_spec(obj)["submitterPodTemplate"]["spec"]))
     return pods
 
 
@@ -118,10 +134,10 @@ def walk(node, path=()):
             yield from walk(v, path + (i,))
 
 
-def rayjob_parts() -> tuple[dict, dict, list[str], str]:
-    """(RayJob, its ConfigMap, entrypoint argv, the job config text the entrypoint reads)."""
-    job = the_one("RayJob")
-    argv = shlex.split(job["spec"]["entrypoint"])
+def rayjob_parts(kind: str = "RayJob") -> tuple[dict, dict, list[str], str]:
+    """(RayJob or RayCronJob, its ConfigMap, entrypoint argv, the job config text the entrypoint reads)."""
+    job = the_one(kind)
+    argv = shlex.split(job_spec(job)["entrypoint"])
     config_path = argv[argv.index("--config") + 1]
     head = cluster_spec(job)["headGroupSpec"]["template"]["spec"]
     mount = next(m for m in head["containers"][0].get("volumeMounts", [])
@@ -130,6 +146,12 @@ def rayjob_parts() -> tuple[dict, dict, list[str], str]:
     cm = next(c for c in objects_of_kind("ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"])
     key = config_path[len(mount["mountPath"].rstrip("/")) + 1:]
     return job, cm, argv, cm["data"][key]
+
+
+def job_config(kind: str, tmp_path: Path, extra: list[str] = ()):
+    """The (cron) job's config as its entrypoint loads it: its script's loader, its arguments."""
+    _, _, argv, text = rayjob_parts(kind)
+    return CONFIG_LOADERS[argv[1]](_write(tmp_path, text, f"{kind}.yaml"), argv[argv.index("--config") + 2:] + list(extra))
 
 
 # ---- schemas --------------------------------------------------------------------------------------
@@ -194,7 +216,7 @@ def ray_launcher_schema() -> dict:
 def test_every_infra_yaml_parses():
     files = infra_yaml_files()
     names = {p.relative_to(INFRA).as_posix() for p in files}
-    assert {"k8s/rayjob.yaml", "k8s/raycluster.yaml", "k8s/networkpolicy.yaml",
+    assert {"k8s/rayjob.yaml", "k8s/raycluster.yaml", "k8s/raycronjob.yaml", "k8s/networkpolicy.yaml",
             "cluster-launcher/aws.yaml"} <= names, names
     for path in files:
         docs = load_yaml_docs(path)
@@ -210,6 +232,7 @@ def test_every_infra_yaml_parses():
     assert {obj["kind"] for _, obj in kuberay_objects()} <= set(CRD_FILES)
     # One RayJob only: the old and the new manifest must not both exist.
     assert len(objects_of_kind("RayJob")) == 1 and len(objects_of_kind("RayCluster")) == 1
+    assert len(objects_of_kind("RayCronJob")) == 1
 
 
 # ---- 2. the CRD schemas kept as test data ---------------------------------------------------------
@@ -224,6 +247,8 @@ def test_crd_test_data_is_the_noted_release():
     # The release supports token auth in the RayCluster spec (the reason for picking it).
     for kind in CRD_FILES:
         spec = crd_schema(kind)["properties"]["spec"]["properties"]
+        if kind == "RayCronJob":
+            spec = spec["jobTemplate"]["properties"]
         cluster = spec if kind == "RayCluster" else spec["rayClusterSpec"]["properties"]
         assert cluster["authOptions"]["properties"]["mode"]["enum"] == ["disabled", "token"]
 
@@ -241,7 +266,9 @@ def _rename(d: dict, old: str, new: str) -> None:
 
 
 def _misspell_top_level(obj: dict) -> None:
-    if obj["kind"] == "RayJob":
+    if obj["kind"] == "RayCronJob":
+        _rename(obj["spec"], "timeZone", "timezone")
+    elif obj["kind"] == "RayJob":
         _rename(obj["spec"], "entrypoint", "entryPoint")
     else:
         _rename(obj["spec"], "enableInTreeAutoscaling", "enableInTreeAutoScaling")
@@ -313,8 +340,13 @@ def test_kuberay_operator_rules(kind):
     if spec.get("authOptions", {}).get("mode") == "token":
         assert tuple(map(int, spec["rayVersion"].split("."))) >= (2, 52, 0), "token auth needs Ray >= 2.52"
         assert not spec["authOptions"].get("enableK8sTokenAuth")     # unsupported for RayJob
-    if obj["kind"] == "RayJob":
-        job = obj["spec"]
+    if obj["kind"] == "RayCronJob":
+        # ValidateRayCronJobSpec: no TZ= in the schedule (timeZone instead), robfig/cron's standard
+        # syntax (5 fields or @descriptors, which pipeline/schedule.py reads the same), a time zone.
+        assert "TZ" not in obj["spec"]["schedule"] and obj["spec"].get("timeZone")
+        assert len(obj["spec"]["schedule"].split()) == 5 or obj["spec"]["schedule"].startswith("@")
+    if obj["kind"] in JOB_KINDS:
+        job = job_spec(obj)
         assert job.get("submissionMode", "K8sJobMode") == "K8sJobMode"
         assert not job.get("ttlSecondsAfterFinished") or job.get("shutdownAfterJobFinishes")
         assert job.get("backoffLimit", 0) >= 0 and not job.get("clusterSelector")
@@ -370,9 +402,9 @@ def test_no_inline_secrets(tmp_path):
                 for e in value:
                     if secretish.search(e["name"]):
                         assert "value" not in e and "valueFrom" in e, (path.name, e["name"])
-    _, _, _, text = rayjob_parts()
-    storage = load_config(_write(tmp_path, text), []).storage
-    assert storage.key is None and storage.secret is None       # S3 keys come from the Secret, via AWS_*
+    for kind in JOB_KINDS:
+        storage = job_config(kind, tmp_path).storage
+        assert storage.key is None and storage.secret is None   # S3 keys come from the Secret, via AWS_*
     text_all = "\n".join(p.read_text() for p in infra_yaml_files())
     assert not re.search(r"\bAKIA[0-9A-Z]{16}\b", text_all)      # no AWS access key id anywhere
 
@@ -424,10 +456,11 @@ def test_gpu_worker_group_and_cpu_head(kind):
         assert res["requests"].get("nvidia.com/gpu", res["limits"]["nvidia.com/gpu"]) == res["limits"]["nvidia.com/gpu"]
 
 
-def test_job_config_fits_the_rayjob_cluster(tmp_path):
+@pytest.mark.parametrize("kind", JOB_KINDS)
+def test_job_config_fits_the_rayjob_cluster(kind, tmp_path):
     """Actors that cannot be placed would wait forever: the job's actors must fit the GPU pods."""
-    job, _, argv, text = rayjob_parts()
-    cfg = load_config(_write(tmp_path, text), argv[argv.index("--config") + 2:])
+    job = the_one(kind)
+    cfg = job_config(kind, tmp_path)
     assert cfg.models.device == "cuda" and cfg.cluster.num_gpus_per_worker == 1
     actors = 0
     for g in cluster_spec(job)["workerGroupSpecs"]:
@@ -493,16 +526,30 @@ def test_images_and_working_dirs_are_this_repo():
     assert f"specpipe:{version}" in DOCKERFILE.read_text()   # the build command in its header
 
 
-def test_entrypoint_and_config_paths_point_into_the_repo(tmp_path):
-    job, cm, argv, text = rayjob_parts()
-    assert argv[:2] == ["python", "jobs/generate.py"]
+ENTRYPOINTS = {"RayJob": ("jobs/generate.py", "/config/job.yaml"),
+               "RayCronJob": ("jobs/synthetic_data.py", "/config/synthetic.yaml")}
+
+
+@pytest.mark.parametrize("kind", JOB_KINDS)
+def test_entrypoint_and_config_paths_point_into_the_repo(kind, tmp_path):
+    job, cm, argv, text = rayjob_parts(kind)
+    script_name, config_path = ENTRYPOINTS[kind]
+    assert argv[:2] == ["python", script_name]
     script = REPO / argv[1]                              # relative to workingDir == the repo root
     assert script.is_file()
-    assert argv.count("--config") == 1 and argv[argv.index("--config") + 1] == "/config/job.yaml"
+    assert argv.count("--config") == 1 and argv[argv.index("--config") + 1] == config_path
+    # The scheduled job takes its slot from the clock: a fixed --slot would rerun one slot forever.
+    assert not any(a == "--slot" or a.startswith("--slot=") for a in argv)
     head = cluster_spec(job)["headGroupSpec"]["template"]["spec"]
     (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == "/config"]
     assert mount.get("readOnly") is True
-    cfg = load_config(_write(tmp_path, text), argv[argv.index("--config") + 2:])
+    cfg = job_config(kind, tmp_path)
+    if kind == "RayCronJob":                             # the job sets input.path (the slot's rows)
+        seeds = cfg.synthetic.seeds
+        assert seeds.startswith("/app/") and _repo_path(seeds).is_file(), seeds
+        assert cfg.output.path.startswith("s3://"), "pods share no disk: output must be on object storage"
+        assert cfg.models.target in SHIPPED_MODELS or _repo_path(cfg.models.target).exists()
+        return
     # Local paths of the config are paths inside the image, i.e. files of this repo.
     for key, value in (("input.path", cfg.input.path), ("models.target", cfg.models.target),
                        ("models.draft", cfg.models.draft)):
@@ -515,9 +562,11 @@ def test_entrypoint_and_config_paths_point_into_the_repo(tmp_path):
     assert cfg.models.target in SHIPPED_MODELS or _repo_path(cfg.models.target).exists()
 
 
-def test_configmap_config_loads_and_bad_keys_fail(tmp_path):
-    _, cm, argv, text = rayjob_parts()
+@pytest.mark.parametrize("kind", JOB_KINDS)
+def test_configmap_config_loads_and_bad_keys_fail(kind, tmp_path):
+    _, cm, argv, text = rayjob_parts(kind)
     overrides = argv[argv.index("--config") + 2:]
+    load_config = CONFIG_LOADERS[argv[1]]               # this entrypoint's loader
     path = _write(tmp_path, text)
     cfg = load_config(path, overrides)
     assert cfg.run.progress is False and cfg.models.dtype == "bfloat16"
@@ -530,6 +579,96 @@ def test_configmap_config_loads_and_bad_keys_fail(tmp_path):
     bad = _write(tmp_path, text.replace("max_num_seqs:", "max_num_seq:"), "bad.yaml")
     with pytest.raises(ConfigError, match="max_num_seq"):
         load_config(bad, overrides)
+    if kind == "RayCronJob":
+        with pytest.raises(ConfigError, match="schedule.cron"):
+            load_config(path, overrides + ["schedule.cron='61 * * * *'"])
+        with pytest.raises(ConfigError, match="schedule.timezone"):
+            load_config(path, overrides + ["schedule.timezone=Mars/Olympus"])
+        with pytest.raises(ConfigError, match="synthetic.samples_per_seed"):
+            load_config(path, overrides + ["synthetic.samples_per_seed=0"])
+
+
+# ---- 6b. the RayCronJob: its schedule is the job's, and a second run of a slot is harmless --------
+def _cron_parts(tmp_path: Path):
+    cron_job = the_one("RayCronJob")
+    return cron_job, job_config("RayCronJob", tmp_path)
+
+
+def test_raycronjob_schedule_and_time_zone_equal_the_job_config(tmp_path):
+    """The operator fires at spec.schedule in spec.timeZone; the job, run without --slot, names the
+    slot from schedule.cron in schedule.timezone. If they differed, a tick would run another slot
+    than its own (or none: an unmatched slot is an error)."""
+    cron_job, cfg = _cron_parts(tmp_path)
+    spec = cron_job["spec"]
+    assert spec["schedule"] == cfg.schedule.cron
+    assert spec["timeZone"] == cfg.schedule.timezone     # stated: the operator's own zone otherwise
+    assert spec.get("suspend", False) is False
+
+
+def test_raycronjob_concurrency_policy():
+    """Forbid where the CRD has a concurrency policy. The v1.7.0 RayCronJob has none (spec: schedule,
+    timeZone, suspend, jobTemplate): every tick creates a RayJob, also while the last one runs; the
+    job's slot lease makes a second run of a held or committed slot exit 0 without writing
+    (tests/test_synthetic.py). When a KubeRay release adds the field, this test asks for Forbid."""
+    cron_job = the_one("RayCronJob")
+    fields = crd_schema("RayCronJob")["properties"]["spec"]["properties"]
+    assert set(fields) == {"schedule", "timeZone", "suspend", "jobTemplate"}   # v1.7.0
+    policy = [f for f in fields if "concurren" in f.lower()]
+    if policy:
+        (name,) = policy
+        assert "Forbid" in fields[name].get("enum", ["Forbid"]) and cron_job["spec"].get(name) == "Forbid"
+    else:
+        assert not [k for k in cron_job["spec"] if "concurren" in k.lower()]
+        with_policy = copy.deepcopy(cron_job)
+        with_policy["spec"]["concurrencyPolicy"] = "Forbid"                 # would be pruned silently
+        assert schema_errors(with_policy) and not schema_errors(with_policy, strict_fields=False)
+
+
+def test_raycronjob_tick_resolves_its_own_slot(tmp_path):
+    """The entrypoint's slot resolution (jobs/synthetic_data.py: resolve_slot(cfg.schedule, None))
+    at fixed times: a driver starting after a tick, within the schedule's period, names that tick."""
+    from datetime import datetime, timedelta, timezone
+    cron_job, cfg = _cron_parts(tmp_path)
+    cron = parse_cron(cfg.schedule.cron)
+    tz = zone(cfg.schedule.timezone)
+    now = datetime(2026, 11, 30, 10, 25, 7, tzinfo=timezone.utc)
+    slot = resolve_slot(cfg.schedule, None, now=now)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}(-\d{2})?", slot), slot
+    assert slot == "2026-11-30T10"                       # hourly, UTC: the hour that just started
+    wall = parse_slot(slot, cron)                        # a fire time of the schedule, as --slot would be
+    assert cron.matches(wall) and wall.replace(tzinfo=tz) <= now
+    # Fire times over a week: the driver starts at most preRunningDeadlineSeconds after its tick, so
+    # that must be shorter than the shortest gap, or a slow start would name the next slot.
+    start = datetime(2026, 11, 30, tzinfo=tz)
+    fires = [start + timedelta(minutes=m) for m in range(7 * 24 * 60) if cron.matches(start + timedelta(minutes=m))]
+    gap = min(b - a for a, b in zip(fires, fires[1:]))
+    deadline = timedelta(seconds=job_spec(cron_job)["preRunningDeadlineSeconds"])
+    assert deadline < gap, (deadline, gap)
+    for tick in fires[:3]:
+        assert resolve_slot(cfg.schedule, None, now=(tick + deadline).astimezone(timezone.utc)) == \
+            tick.strftime("%Y-%m-%dT%H")
+
+
+CRON_MUTATIONS = {
+    # (mutate(spec), caught only with unknown fields rejected?)
+    "misspelled timeZone": (lambda s: _rename(s, "timeZone", "timezone"), True),
+    "misspelled jobTemplate field": (lambda s: _rename(s["jobTemplate"], "entrypoint", "entryPoint"), True),
+    "misspelled jobTemplate": (lambda s: _rename(s, "jobTemplate", "jobtemplate"), False),   # required
+    "empty timeZone": (lambda s: s.update(timeZone=""), False),                               # minLength 1
+    "schedule missing": (lambda s: s.pop("schedule"), False),
+    "schedule not a string": (lambda s: s.update(schedule=0), False),
+    "suspend not a boolean": (lambda s: s.update(suspend="no"), False),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(CRON_MUTATIONS))
+def test_mutated_raycronjob_fails_validation(mutation):
+    bad = copy.deepcopy(the_one("RayCronJob"))
+    mutate, needs_strict = CRON_MUTATIONS[mutation]
+    mutate(bad["spec"])
+    assert schema_errors(bad), f"RayCronJob with a {mutation} passed validation"
+    if needs_strict:
+        assert schema_errors(bad, strict_fields=False) == []
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
