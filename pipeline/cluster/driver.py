@@ -250,9 +250,14 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: Sto
 
 def _hand_out(queue, pool: WorkerPool) -> None:
     """One unit at a time to the ready worker with the fewest queued rows, until every worker holds
-    max_units or the queue is empty: small jobs spread over all workers, large ones keep each full."""
+    its limit or the queue is empty: small jobs spread over all workers, large ones keep each full.
+    The limit is max_units, or a fair share of the units left over the live workers when that is
+    smaller: a worker that is ready first must not take every unit of a small job while the others
+    are still loading (the demo's 4 units all went to one of its 2 workers)."""
+    left = len(queue) + pool.in_flight()
+    limit = min(pool.max_units, max(1, -(-left // max(1, len(pool.live)))))
     while queue:
-        open_workers = [w for w in pool.ready if len(w.units) < pool.max_units]
+        open_workers = [w for w in pool.ready if len(w.units) < limit]
         if not open_workers:
             return
         w = min(open_workers, key=lambda w: (sum(u.num_rows for u in w.units.values()), w.index))
