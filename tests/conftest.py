@@ -240,13 +240,7 @@ class RayHead:
         """SIGTERM to our `ray start --block` (it kills the processes it started); anything of our
         process group still alive afterwards is killed by pid."""
         import signal
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        terminate(self.proc)
         for pid in _process_group_members(self.proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -254,6 +248,18 @@ class RayHead:
                 pass
         self._log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it is still running after 60 s."""
+    import signal
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def _process_group_members(pgid: int) -> list[int]:

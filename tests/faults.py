@@ -489,13 +489,8 @@ class RayNode:
     def stop(self) -> None:
         """SIGTERM to `ray start --block` (it stops what it started); whatever of the node's session
         is still alive afterwards (workers included) gets SIGKILL. Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        from conftest import terminate
+        terminate(self.proc)
         deadline = time.monotonic() + 30
         while (left := session_members(self.proc.pid)) and time.monotonic() < deadline:
             for pid in left:
