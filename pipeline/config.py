@@ -91,6 +91,8 @@ class EngineSection:
     adaptive: bool = False
     max_prefill_tokens: int = 512
     packed_linear: bool = True      # CPU: reorder linear weights once for oneDNN (ignored on CUDA)
+    compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
+                                    # own KV blocks (auto: wherever inductor can compile; off: eager SDPA)
 
     def __post_init__(self):
         try:

@@ -40,13 +40,13 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, max_len)
-        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear),
+        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile),
                                     models.draft_sample_method)
         draft_id = model_id(dspec)
     if models.drafter in ("ngram", "hybrid"):
         ngram = NgramDrafter(models.ngram_min, models.ngram_max, device=models.device)
         drafter = HybridDrafter(ngram, drafter) if drafter is not None else ngram
-    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear), drafter, engine_cfg.to_engine_config(),
+    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile), drafter, engine_cfg.to_engine_config(),
                         eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id)

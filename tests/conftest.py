@@ -58,24 +58,28 @@ def noisy_copy(model, noise: float, seed: int = 1):
     return draft
 
 
-def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3):
+def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3,
+                 compile: str = "off"):
     if kind == "none":
         return None
     if kind == "ngram":
         return NgramDrafter(min_n, max_n)
     method = "probabilistic" if kind == "draft-prob" else "greedy"
-    model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len), method)
+    model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile),
+                                        method)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
 
 
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
-                adaptive=False, eos=(), decode=None, max_prefill_tokens=512):
-    drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len)
+                adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off"):
+    """An engine over copies of the models; compile="on" takes the compiled FlexAttention path."""
+    drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
-                       adaptive=adaptive, max_prefill_tokens=max_prefill_tokens)
+                       adaptive=adaptive, max_prefill_tokens=max_prefill_tokens, compile=compile)
     # The runner packs its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
-    return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len), drafter, cfg, list(eos),
+    return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile), drafter,
+                      cfg, list(eos),
                       decode)
 
 

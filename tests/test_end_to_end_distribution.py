@@ -55,8 +55,9 @@ def models():
     return target, noisy_copy(target, noise=0.15, seed=6)
 
 
-CASES = {
+CASES = {      # name: (drafter, params[, engine.compile])
     "draft-prob": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
+    "draft-prob-flex": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0), "on"),
     "draft-greedy+filters": ("draft-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.8, top_k=6, top_p=0.95)),
     "ngram": ("ngram", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
 }
@@ -66,8 +67,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_continuations_match_exact_target(models, case):
     target, draft = models
-    kind, params = CASES[case]
-    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2)
+    kind, params, *compile = CASES[case]
+    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, compile=(compile or ["off"])[0])
     for i in range(N):
         engine.add_request(f"r{i}", PROMPT, params, seed=11)
     counts: dict[tuple, int] = {}

@@ -29,7 +29,7 @@ from .drafters import DraftBatch, Drafter, NoDrafter
 from .logits import row_probs
 from .prefill import forward_history
 from .request import RequestError, SamplingParams, Sequence
-from .runner import ModelRunner
+from .runner import COMPILE_MODES, ModelRunner
 from .scheduler import Scheduler
 from .verify import VerifyOutput, verify, verify_greedy
 
@@ -42,6 +42,8 @@ class EngineConfig:
     adaptive: bool = False           # per-sequence g from its acceptance and measured costs; may be 0
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
     packed_linear: bool = True       # CPU: reorder linear weights once for oneDNN (ignored elsewhere)
+    compile: str = "auto"            # compiled FlexAttention over the slot store (flex.py): auto (where
+                                     # inductor can compile) | on | off (eager padded SDPA)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -49,6 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"engine.{name}: expected an integer >= {low}, got {value!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"engine.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
 
 @dataclass

@@ -26,6 +26,8 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .flex import BLOCK, block_tables, slot_flex_attention
+
 ATTENTION_NAME = "specpipe_slot"
 
 
@@ -40,14 +42,22 @@ class StepLayout:
     token_q: torch.Tensor      # [num_tokens] int64 index of each packed token within its row
     kv_len: int                # keys read per row: max over rows of start + num_new
     slot_range: tuple[int, int] | None  # (lo, hi) when slots == arange(lo, hi): read a view, not a gather
+    flex: tuple[torch.Tensor, ...] | None = None  # block tables (flex.block_tables): attention over the
+                                                  # whole store, each row reading its own blocks only
+
+    @property
+    def token_slot(self) -> torch.Tensor:               # [num_tokens] slot of each packed token
+        return self.slots[self.token_row]
 
     @property
     def flat_position_ids(self) -> torch.Tensor:        # [1, num_tokens]
         return self.position_ids[self.token_row, self.token_q].unsqueeze(0)
 
 
-def make_layout(slots: list[int], starts: list[int], num_new: list[int], device: torch.device) -> StepLayout:
-    """Build the layout for rows with `num_new[b]` new tokens at positions starts[b]... in slots[b]."""
+def make_layout(slots: list[int], starts: list[int], num_new: list[int], device: torch.device,
+                flex_store: tuple[int, int] | None = None) -> StepLayout:
+    """Build the layout for rows with `num_new[b]` new tokens at positions starts[b]... in slots[b].
+    flex_store: (num_slots, capacity) of the store when attention takes the FlexAttention path."""
     max_q = max(num_new)
     starts_t = torch.tensor(starts, dtype=torch.long)
     num_new_t = torch.tensor(num_new, dtype=torch.long)
@@ -56,12 +66,19 @@ def make_layout(slots: list[int], starts: list[int], num_new: list[int], device:
     position_ids = starts_t.unsqueeze(1) + torch.minimum(q_idx, (num_new_t - 1).unsqueeze(1))
     token_row, token_q = is_valid.nonzero(as_tuple=True)                       # row-major: packed order
     contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    flex_tables = None
+    if flex_store is not None:
+        num_slots, cap = flex_store
+        flex_tables = block_tables(slots_t, starts_t.to(device), num_new_t.to(device), num_slots, max_q,
+                                   cap // BLOCK)
     return StepLayout(
-        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        slots=slots_t,
         position_ids=position_ids.to(device), is_valid=is_valid.to(device),
         token_row=token_row.to(device), token_q=token_q.to(device),
         kv_len=int((starts_t + num_new_t).max()),
         slot_range=(slots[0], slots[0] + len(slots)) if contiguous else None,
+        flex=flex_tables,
     )
 
 
@@ -90,7 +107,7 @@ class SlotKVCache(Cache):
         # zeros, not empty: masked positions still enter the weighted sum (0 * NaN would be NaN)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_layers, self.max_len = num_layers, max_len
+        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
         self.layout: StepLayout | None = None
 
     # Attributes transformers' mask helpers read from any Cache.
@@ -122,6 +139,8 @@ class SlotKVCache(Cache):
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
         k_buf[slot_t, :, pos_t] = key_states[0].transpose(0, 1).to(k_buf.dtype)   # [num_tokens, kv_heads, dim]
         v_buf[slot_t, :, pos_t] = value_states[0].transpose(0, 1).to(v_buf.dtype)
+        if lay.flex is not None:                                               # each row reads its own blocks
+            return k_buf, v_buf
         if lay.slot_range is not None:
             lo, hi = lay.slot_range
             return k_buf[lo:hi, :, :lay.kv_len], v_buf[lo:hi, :, :lay.kv_len]
@@ -140,8 +159,10 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     if lay is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    _, num_heads, _, head_dim = query.shape
     batch, max_q = lay.is_valid.shape
+    if lay.flex is not None:
+        return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling), None
+    _, num_heads, _, head_dim = query.shape
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
     padded = query.new_zeros(batch, max_q, num_heads, head_dim)                 # unpack into rows

@@ -1,0 +1,82 @@
+"""Micro-benchmark: one verify-shaped target forward (rows x tokens per row) over the slot store, eager
+(padded SDPA) against compiled FlexAttention, at chosen context lengths per row.
+
+    .venv/bin/python -m bench.step_bench --threads 1 --repeats 7
+
+Workloads (each row forwards --q tokens, as a round with g = q - 1 drafts does):
+  uniform    32 rows of ~150 context tokens
+  mixed      one row of 1,500 among 31 of ~150 (the eager path pads every row to the longest)
+  long       32 rows of ~1,000
+  batch1     1 row of ~150
+Prints ms per step (median and spread over --repeats, after 2 warm-ups) and the mixed/uniform ratio
+per mode. The KV contents are whatever the store holds: the cost does not depend on them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pipeline.engine.runner import ModelRunner
+from pipeline.models import ModelSpec, load_model
+
+WORKLOADS = {
+    "uniform": [150 + 3 * i for i in range(32)],
+    "mixed": [1500] + [150 + 3 * i for i in range(31)],
+    "long": [1000 + 3 * i for i in range(32)],
+    "batch1": [150],
+}
+
+
+def time_step(runner: ModelRunner, contexts: list[int], q: int, repeats: int) -> list[float]:
+    slots = list(range(len(contexts)))
+    tokens = [[(7 * b + j) % 1000 + 10 for j in range(q)] for b in range(len(contexts))]
+    times = []
+    for i in range(repeats + 2):
+        runner.synchronize()
+        t0 = time.perf_counter()
+        runner.forward(slots, contexts, tokens)
+        runner.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--q", type=int, default=5, help="tokens per row (g + 1)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"model {args.model} {args.dtype} on {args.device}, {args.threads} thread(s), {args.q} tokens/row")
+    for mode in args.modes.split(","):
+        model, _ = load_model(ModelSpec(args.model, args.dtype, args.device))
+        t0 = time.perf_counter()
+        runner = ModelRunner(model, 32, args.max_model_len, compile=mode)
+        medians = {}
+        for name in args.workloads.split(","):
+            contexts = WORKLOADS[name]
+            t_first = time.perf_counter()
+            times = time_step(runner, contexts, args.q, args.repeats)
+            med = statistics.median(times)
+            medians[name] = med
+            print(f"compile={mode:3s} attention={'flex' if runner.flex else 'sdpa'} {name:8s} rows={len(contexts):2d} "
+                  f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
+                  f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s)")
+        if "mixed" in medians and "uniform" in medians:
+            print(f"compile={mode}: mixed / uniform step time = {medians['mixed'] / medians['uniform']:.2f}x")
+        del runner, model
+        print(f"compile={mode}: total {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

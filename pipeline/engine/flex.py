@@ -1,0 +1,109 @@
+"""Slot attention whose cost per row follows that row's own length: FlexAttention over the slot store.
+
+The eager path (kv_cache.slot_attention) pads every row's keys to the longest row of the step and
+adds a float mask, so one long row makes every row pay for its length. Here the query rows go to
+their slots in a [num_slots, heads, max_q, head_dim] tensor, the keys and values are the slot store
+itself (no gather, no copy), and a block mask built from each slot's start and new-token count
+tells the kernel which key blocks each row reads:
+
+  block       BLOCK consecutive key positions (and BLOCK consecutive query rows) of one slot
+  full block  keys all before the row's first new position: every query of the row sees all of
+              them, no per-element mask is evaluated
+  partial     the blocks holding the row's new positions: `kv <= start + q` is evaluated per element
+  skipped     everything past the row's last new position, and every block of a slot with no row
+              this step: never read
+
+So a row costs ceil((start + num_new) / BLOCK) key blocks, whatever the other rows hold. The block
+mask is built from per-slot tensors with a few vectorised ops (no Python per row, no
+`create_block_mask` over the whole [q, kv] grid) inside the compiled function, so it costs well under
+a millisecond per step; the per-slot start positions reach the mask through an argument, which keeps
+one compiled graph for every runner and every step (dynamic in the number of query rows).
+
+FlexAttention needs torch.compile: inductor's C++ kernel on CPU, Triton on CUDA. `flex_unavailable`
+says why a device cannot take this path; the caller then keeps the eager one.
+
+This module knows nothing about requests, models or the engine; it sees tensors and a layout.
+"""
+from __future__ import annotations
+
+import shutil
+from functools import lru_cache
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+BLOCK = 128          # key and query block size (FlexAttention's default)
+
+
+def capacity(max_len: int) -> int:
+    """Slot positions to allocate: max_len rounded up to whole blocks (the kernel reads whole blocks)."""
+    return -(-max_len // BLOCK) * BLOCK
+
+
+def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tensor, num_slots: int,
+                 max_q: int, num_kv_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Per-slot tables for BlockMask.from_kv_blocks, from the step's rows (slots[b] gets num_new[b]
+    query rows at positions starts[b]...): (partial counts, partial indices, full counts, full
+    indices, start of each slot), each [num_slots, 1, num_q_blocks(, num_kv_blocks)] int32 except
+    the starts ([num_slots] int64). Slots without a row get no block at all."""
+    device = starts.device
+    slot_start = torch.zeros(num_slots, dtype=torch.long, device=device).index_copy_(0, slots, starts)
+    slot_new = torch.zeros(num_slots, dtype=torch.long, device=device).index_copy_(0, slots, num_new)
+    q0 = torch.arange(0, max_q, BLOCK, device=device).unsqueeze(0)           # [1, q_blocks] first q row
+    live = q0 < slot_new.unsqueeze(1)                                          # block has a real query
+    first_q = slot_start.unsqueeze(1) + q0                                     # its first query position
+    end_q = slot_start.unsqueeze(1) + torch.minimum(q0 + BLOCK, slot_new.unsqueeze(1))   # past its last
+    full = torch.where(live, first_q // BLOCK, 0)                              # blocks 0..full-1 are full
+    upto = torch.where(live, -(-end_q // BLOCK), 0)                            # partial: full..upto-1
+    kv = torch.arange(num_kv_blocks, device=device)
+    partial_idx = (full.unsqueeze(-1) + kv).clamp(max=num_kv_blocks - 1)
+    full_idx = kv.expand(num_slots, q0.shape[1], num_kv_blocks)
+    as_table = lambda t: t.to(torch.int32).unsqueeze(1).contiguous()
+    return as_table(upto - full), as_table(partial_idx), as_table(full), as_table(full_idx), slot_start
+
+
+def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, scale: float):
+    """query [num_slots, heads, max_q, dim] (row q of slot b at position slot_start[b] + q); key/value
+    the slot store [num_slots, kv_heads, capacity, dim]. Returns [num_slots, heads, max_q, dim]."""
+    def causal(b, h, q, kv):
+        return kv <= slot_start[b] + q
+    mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
+                                    mask_mod=causal, seq_lengths=(query.shape[2], key.shape[2]),
+                                    compute_q_blocks=False)
+    return flex_attention(query, key, value, block_mask=mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+@lru_cache(maxsize=None)
+def compiled_attend():
+    """The compiled kernel, shared by every runner (one graph, dynamic in max_q)."""
+    return torch.compile(_attend, dynamic=True, fullgraph=True)
+
+
+def flex_unavailable(device: torch.device) -> str | None:
+    """Why FlexAttention cannot be compiled for `device`, or None when it can."""
+    if device.type == "cpu":
+        if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+            return "no C++ compiler on PATH (inductor builds CPU kernels with one)"
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (inductor's CUDA kernels need it)"
+        return None
+    return f"device type {device.type!r} is not supported"
+
+
+def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor,
+                        token_slot: torch.Tensor, token_q: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                        max_q: int, scale: float | None) -> torch.Tensor:
+    """Attention for packed queries [1, heads, num_tokens, dim] (token t is row token_q[t] of slot
+    token_slot[t]) over the whole slot store. Returns the packed output [1, num_tokens, heads, dim]."""
+    _, num_heads, _, head_dim = query.shape
+    num_slots = key_store.shape[0]
+    rows = query.new_zeros(num_slots, max_q, num_heads, head_dim)
+    rows[token_slot, token_q] = query[0].transpose(0, 1)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
+    return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)
