@@ -19,11 +19,11 @@ def seq_of(prompt, output=()) -> Sequence:
 
 
 def all_paths(trie: SuffixTrie) -> dict[tuple, int]:
-    out, stack = {}, [((), trie.root)]
+    out, stack = {}, [((), 0)]
     while stack:
         path, node = stack.pop()
-        for tok, child in node.children.items():
-            out[path + (tok,)] = child.count
+        for tok, child in trie.children[node].items():
+            out[path + (tok,)] = trie.count[child]
             stack.append((path + (tok,), child))
     return out
 
@@ -51,7 +51,7 @@ def test_counts_match_brute_force_after_adds_and_removes():
     assert trie.num_nodes == 1 + len(brute_counts(texts[12:], 4))
     for t in texts[12:]:
         trie.remove(t)
-    assert trie.num_nodes == 1 and not trie.root.children
+    assert trie.num_nodes == 1 and not trie.children[0]
 
 
 def test_longest_match_and_most_frequent_continuation():
@@ -65,7 +65,7 @@ def test_longest_match_and_most_frequent_continuation():
     assert trie.longest_match([9, 2, 3], max_len=7)[0] == 3
     assert trie.walk(trie.find([9, 2, 3]), limit=2, min_prob=0.0)[0] == [5, 7]
     # the last occurrence of [2, 3, 5] ends the text: without a continuation it is not counted
-    assert trie.find([2, 3, 5]).count == 2
+    assert trie.count[trie.find([2, 3, 5])] == 2
     tokens, score = trie.walk(trie.find([2, 3, 5]), limit=1, min_prob=0.0)
     assert tokens == [7] and score == pytest.approx(1.0)
 
@@ -137,7 +137,7 @@ def test_cache_memory_stays_bounded_under_thousands_of_sequences():
         cache.add(text)
         assert cache.num_tokens <= cap
         peak = max(peak, cache.trie.num_nodes)
-    assert peak <= cap * depth + 1
+    assert peak <= cap * depth + 1 and len(cache.trie.count) <= cap * depth + 1   # ids reused, lists bounded
     kept = list(cache._texts)
     assert all_paths(cache.trie) == brute_counts(kept, depth)        # evicted sequences left no trace
     assert 20 < cache.num_sequences < 100

@@ -51,92 +51,103 @@ class SuffixParams:
             raise ValueError(f"max_cached_tokens: expected an integer >= 0, got {self.max_cached_tokens!r}")
 
 
-class _Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self):
-        self.count = 0                              # occurrences of this node's path in the text
-        self.children: dict[int, _Node] = {}        # next token -> node
-
-
 class SuffixTrie:
-    """Occurrence counts of every substring of at most `max_depth` tokens of the indexed texts."""
+    """Occurrence counts of every substring of at most `max_depth` tokens of the indexed texts.
+
+    Nodes are ints indexing flat lists (node 0 is the root); children maps hold ints only, so
+    Python's cyclic garbage collector does not track them (per-node objects made inserts ~6x slower
+    through collections alone). Pruned node ids are reused."""
 
     def __init__(self, max_depth: int):
-        self.max_depth, self.root, self.num_nodes = max_depth, _Node(), 1
+        self.max_depth = max_depth
+        self.count: list[int] = [0]                     # [node] occurrences of the node's path
+        self.children: list[dict[int, int]] = [{}]      # [node] next token -> child node
+        self._free: list[int] = []
 
-    def _bump(self, node: _Node, token: int) -> _Node:
-        child = node.children.get(token)
-        if child is None:
-            child = node.children[token] = _Node()
-            self.num_nodes += 1
-        child.count += 1
-        return child
+    @property
+    def num_nodes(self) -> int:
+        return len(self.count) - len(self._free)
 
-    def extend(self, open_nodes: list[_Node], token: int) -> list[_Node]:
+    def _new(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self.count.append(0)
+        self.children.append({})
+        return len(self.count) - 1
+
+    def extend(self, open_nodes: list[int], token: int) -> list[int]:
         """Count the occurrences that end at `token` appended to a text whose suffixes of length
         1..max_depth-1 are `open_nodes` (shortest first); returns the new text's open nodes."""
-        grown = [self._bump(self.root, token)] + [self._bump(node, token) for node in open_nodes]
-        return grown[:self.max_depth - 1]
+        count, children, grown = self.count, self.children, []
+        for node in [0] + open_nodes:                   # hot loop: one node per indexed depth
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = self._new()
+            count[child] += 1
+            grown.append(child)
+        del grown[self.max_depth - 1:]
+        return grown
 
     def add(self, tokens: list[int]) -> None:
-        open_nodes: list[_Node] = []
+        open_nodes: list[int] = []
         for token in tokens:
             open_nodes = self.extend(open_nodes, token)
 
     def remove(self, tokens: list[int]) -> None:
         """Undo `add(tokens)`: subtract its counts; a node reaching zero is pruned with its subtree
-        (whose counts, bounded by its own, reach zero with it)."""
+        (whose counts, bounded by its own, reach zero with it: the rest of this walk's path)."""
+        count, children = self.count, self.children
         for start in range(len(tokens)):
-            node, attached = self.root, True
+            node, freed = 0, []
             for token in tokens[start:start + self.max_depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
-                    self.num_nodes -= 1
-                    if attached:
-                        del node.children[token]
-                        attached = False
+                child = children[node][token]
+                count[child] -= 1
+                if count[child] == 0:
+                    if not freed:
+                        del children[node][token]
+                    freed.append(child)
                 node = child
+            for node in freed:
+                children[node].clear()
+            self._free += freed
 
-    def find(self, pattern: list[int]) -> _Node | None:
-        node = self.root
+    def find(self, pattern: list[int]) -> int | None:
+        node, children = 0, self.children
         for token in pattern:
-            node = node.children.get(token)
+            node = children[node].get(token)
             if node is None:
                 return None
         return node
 
-    def longest_match(self, context: list[int], max_len: int) -> tuple[int, _Node | None]:
+    def longest_match(self, context: list[int], max_len: int) -> tuple[int, int | None]:
         """Longest suffix of `context` (at most max_len tokens) that occurs followed by a token, and
         its node. A suffix that does implies its shorter suffixes do: binary search on the length."""
         lo, hi, best = 0, min(max_len, len(context), self.max_depth - 1), None
         while lo < hi:
             mid = (lo + hi + 1) // 2
             node = self.find(context[len(context) - mid:])
-            if node is not None and node.children:
+            if node is not None and self.children[node]:
                 lo, best = mid, node
             else:
                 hi = mid - 1
         return lo, best
 
-    @staticmethod
-    def walk(node: _Node, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def walk(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
         """Most frequent continuation of `node`, at most `limit` tokens, each with estimated
         probability >= min_prob. Returns (tokens, sum of their probabilities)."""
         tokens, prob, score = [], 1.0, 0.0
-        while len(tokens) < limit and node.children:
+        while len(tokens) < limit and self.children[node]:
             total = best_count = 0
-            for token, child in node.children.items():
-                total += child.count
-                if child.count > best_count:
-                    best_token, best_count = token, child.count
+            for token, child in self.children[node].items():
+                total += self.count[child]
+                if self.count[child] > best_count:
+                    best_token, best_child, best_count = token, child, self.count[child]
             prob *= best_count / total
             if prob < min_prob:
                 break
             tokens.append(best_token)
             score += prob
-            node = node.children[best_token]
+            node = best_child
         return tokens, score
 
     def draft(self, context: list[int], k: int, params: SuffixParams) -> tuple[list[int], float]:
@@ -153,7 +164,7 @@ class RequestIndex(SuffixTrie):
     def __init__(self, max_depth: int):
         super().__init__(max_depth)
         self.num_tokens = 0
-        self._open: list[_Node] = []
+        self._open: list[int] = []
 
     def append(self, tokens: list[int]) -> None:
         for token in tokens:
