@@ -210,3 +210,24 @@ def test_suffix_config_loads_and_hashes():
     hybrid = load_config("configs/demo.yaml", ["models.drafter=hybrid", "models.draft=x",
                                                "models.hybrid_proposer=suffix"])
     assert hashed_tree(hybrid)["models"]["hybrid_proposer"] == "suffix" and "suffix" in hashed_tree(hybrid)["models"]
+
+
+# ---- the job ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_worker_killed_mid_unit_with_suffix_drafter_completes_exactly_once(tiny_model_dir, ray_head, tmp_path):
+    """The worker-wide index is in-memory state of the actor: a replacement starts with an empty one
+    and the job still commits every row exactly once."""
+    from pipeline.cluster.driver import run_job
+    from pipeline_util import job_config, prompt_rows, read_run, write_parquet
+    from test_pipeline import _check_exactly_once
+    rows = prompt_rows(10, "s", seed=3)
+    rows += [dict(r, id=r["id"] + "-again") for r in rows]          # repeats: drafted from the index
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
+                     f"cluster.address={ray_head.address}", "models.drafter=suffix", "models.suffix.min_match=1",
+                     "debug.crash_worker_after_steps=3", "sampling.max_tokens=12", "cluster.num_workers=1")
+    summary = run_job(cfg)
+    assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
+    run = read_run(tmp_path / "out" / "t")
+    _check_exactly_once(run, [r["id"] for r in rows])
+    assert not run["errors"] and summary["accepted_tokens"] > 0
