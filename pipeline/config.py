@@ -21,9 +21,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .engine.engine import EngineConfig
 from .engine.request import SamplingParams
+from .engine.suffix import SuffixParams
 from .io.storage import RetryPolicy
 
-DRAFTER_KINDS = ("none", "ngram", "draft", "hybrid")
+DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
+HYBRID_PROPOSERS = ("ngram", "suffix")
 DTYPES = ("float32", "bfloat16", "float16")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -33,19 +35,41 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class SuffixSection:
+    """The suffix drafter (engine/suffix.py states the draft rule)."""
+    max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
+    min_match: int = 2                # shortest matched suffix that may draft
+    min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
+    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
+    max_cached_tokens: int = 32768    # worker-wide index over finished sequences, oldest evicted (0: off)
+
+    def __post_init__(self):
+        try:
+            self.to_params()
+        except ValueError as e:
+            raise ConfigError(f"models.suffix.{e}") from None
+
+    def to_params(self) -> SuffixParams:
+        return SuffixParams(**asdict(self))
+
+
+@dataclass
 class ModelsConfig:
     target: str = "smollm2-135m-instruct"   # shipped model name, .gguf file, or HF directory (safetensors)
     draft: Optional[str] = None              # draft model (same tokenizer) for drafter draft/hybrid
-    drafter: str = "ngram"                   # none | ngram | draft | hybrid
+    drafter: str = "ngram"                   # none | ngram | suffix | draft | hybrid
+    hybrid_proposer: str = "ngram"           # hybrid's free first part: ngram | suffix
     draft_sample_method: str = "greedy"      # greedy (token only, one-hot q) | probabilistic (keeps q)
     ngram_min: int = 2                       # shortest suffix n-gram looked up
     ngram_max: int = 4                       # longest suffix n-gram looked up
+    suffix: SuffixSection = field(default_factory=SuffixSection)   # drafter suffix (or hybrid's first part)
     dtype: str = "bfloat16"                  # float32 | bfloat16 | float16
     device: str = "cpu"                      # cpu | cuda | cuda:N
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
 
     def __post_init__(self):
         _one_of("models.drafter", self.drafter, DRAFTER_KINDS)
+        _one_of("models.hybrid_proposer", self.hybrid_proposer, HYBRID_PROPOSERS)
         _one_of("models.draft_sample_method", self.draft_sample_method, ("greedy", "probabilistic"))
         _one_of("models.dtype", self.dtype, DTYPES)
         if self.drafter in ("draft", "hybrid") and not self.draft:
@@ -286,6 +310,10 @@ def _not_yaml(override: str) -> bool:
         return True
 
 
+def uses_suffix(models: ModelsConfig) -> bool:
+    return models.drafter == "suffix" or (models.drafter == "hybrid" and models.hybrid_proposer == "suffix")
+
+
 def redacted(cfg: JobConfig) -> dict:
     """The resolved config as stored with the output: credentials removed."""
     tree = asdict(cfg)
@@ -297,14 +325,20 @@ def redacted(cfg: JobConfig) -> dict:
 
 def hashed_tree(cfg: JobConfig) -> dict:
     """What determines the output: everything but where and how the job runs (cluster, storage,
-    progress display, live metrics, resume, the lease) and failure drills."""
+    progress display, live metrics, resume, the lease, the attention kernel) and failure drills."""
     tree = asdict(cfg)
     for key in ("cluster", "storage", "debug"):
         tree.pop(key)
     for key in ("progress", "metrics", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
+    tree["engine"].pop("compile")                     # the attention kernel: same distribution either way
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")
+    models = tree["models"]                           # likewise for runs without the suffix drafter
+    if models["hybrid_proposer"] == "ngram":
+        models.pop("hybrid_proposer")
+    if not uses_suffix(cfg.models):
+        models.pop("suffix")
     return tree
 
 

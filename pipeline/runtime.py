@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import EngineSection, ModelsConfig
-from .engine import (DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine)
+from .engine import DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine, SuffixDrafter
 from .models import ModelSpec, check_vocab_compatible, load_model, model_id, reject_unsupported
 
 
@@ -43,13 +43,20 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
         drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile),
                                     models.draft_sample_method)
         draft_id = model_id(dspec)
-    if models.drafter in ("ngram", "hybrid"):
-        ngram = NgramDrafter(models.ngram_min, models.ngram_max, device=models.device)
-        drafter = HybridDrafter(ngram, drafter) if drafter is not None else ngram
+    if models.drafter in ("ngram", "suffix", "hybrid"):
+        free = free_drafter(models, models.hybrid_proposer if models.drafter == "hybrid" else models.drafter)
+        drafter = HybridDrafter(free, drafter) if drafter is not None else free
     engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile), drafter, engine_cfg.to_engine_config(),
                         eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id)
+
+
+def free_drafter(models: ModelsConfig, kind: str) -> NgramDrafter | SuffixDrafter:
+    """The model-free drafter `kind` (ngram | suffix), alone or as hybrid's first part."""
+    if kind == "suffix":
+        return SuffixDrafter(models.suffix.to_params(), device=models.device)
+    return NgramDrafter(models.ngram_min, models.ngram_max, device=models.device)
 
 
 def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

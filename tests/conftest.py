@@ -33,9 +33,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 
 from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
-                             SamplingParams, SpecEngine)
+                             SamplingParams, SpecEngine, SuffixDrafter, SuffixParams)
 
-DRAFTERS = ["none", "ngram", "draft-greedy", "draft-prob", "hybrid"]
+DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
 
 
 def tiny_llama(vocab: int = 512, seed: int = 0, init_range: float = 0.7, layers: int = 2,
@@ -64,9 +64,13 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return None
     if kind == "ngram":
         return NgramDrafter(min_n, max_n)
+    if kind == "suffix":            # min_match 1 (like min_n): tiny random models rarely repeat 2-grams
+        return SuffixDrafter(SuffixParams(min_match=1))
     method = "probabilistic" if kind == "draft-prob" else "greedy"
     model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile),
-                                        method)
+                                      method)
+    if kind == "hybrid-suffix":
+        return HybridDrafter(SuffixDrafter(SuffixParams(min_match=1)), model_drafter)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
 
 

@@ -60,6 +60,9 @@ CASES = {      # name: (drafter, params[, engine.compile])
     "draft-prob-flex": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0), "on"),
     "draft-greedy+filters": ("draft-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.8, top_k=6, top_p=0.95)),
     "ngram": ("ngram", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
+    # Drafts come from the worker-wide index once the first wave of 256 has finished: the later
+    # requests draft from earlier outputs, so drafts depend on what finished before (still exact).
+    "suffix": ("suffix", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
 }
 
 

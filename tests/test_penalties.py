@@ -47,7 +47,7 @@ def test_penalties_spec_equals_reference(target_model, draft_model, prompts, ref
     done, rounds = run_requests(engine, prompts, PARAM_SETS[param_set], arrive_every=2)
     outputs = [done[str(i)].output_ids for i in range(len(prompts))]
     assert outputs == references[param_set]
-    if kind != "none" and (param_set == "encourage" or kind != "ngram"):
+    if kind != "none" and (param_set == "encourage" or kind not in ("ngram", "suffix")):   # no repeats to look up
         assert sum(r.accepted for r in rounds) > 0, "drafts must be accepted for the test to mean anything"
 
 

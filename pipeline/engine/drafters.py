@@ -8,7 +8,8 @@ drafter's attributes. Implementations:
   their catch-up. `sample_method` "greedy" proposes the draft's argmax (token only, one-hot q);
   "probabilistic" samples from q with the sequence's draft generator and keeps q for verification.
 - NgramDrafter: prompt lookup over prompt + generated tokens (token only, free).
-- HybridDrafter: the n-gram proposal where one exists, the draft model elsewhere.
+- HybridDrafter: a free token-only drafter's proposal (n-gram, or suffix.py's SuffixDrafter) where
+  one exists, the draft model elsewhere.
 - NoDrafter: draft length 0, i.e. plain autoregressive decoding through the same engine.
 
 Every proposal is returned flat (DraftBatch): token ids of all sequences concatenated, with offsets.
@@ -258,13 +259,16 @@ class DraftModelDrafter:
 
 
 class HybridDrafter:
-    """n-gram proposal where one exists, the draft model elsewhere. Both parts are used through the
-    Drafter protocol; the per-sequence state (draft KV) is the model part's."""
+    """A free token-only drafter's proposal (n-gram or suffix) where one exists, the draft model
+    elsewhere. Both parts are used through the Drafter protocol and see every prefill, commit and
+    release; the draft KV is the model part's."""
     kind = "hybrid"
     is_free = False
 
-    def __init__(self, ngram: NgramDrafter, model: DraftModelDrafter):
-        self.ngram, self.model = ngram, model
+    def __init__(self, first: Drafter, model: DraftModelDrafter):
+        if not first.is_free:
+            raise ValueError(f"hybrid: the first part must be a free token-only drafter, got {type(first).__name__}")
+        self.first, self.model = first, model
 
     @property
     def draft_runner(self) -> ModelRunner:
@@ -274,6 +278,7 @@ class HybridDrafter:
         return self.model.num_computed(seq)
 
     def prefill(self, chunks: list[Chunk]) -> None:
+        self.first.prefill(chunks)
         self.model.prefill(chunks)
 
     def catch_up_lag(self, seq: Sequence) -> int:
@@ -283,14 +288,16 @@ class HybridDrafter:
         return self.model.catch_up(seqs, lengths, budget)
 
     def on_commit(self, seqs: list[Sequence]) -> None:
+        self.first.on_commit(seqs)
         self.model.on_commit(seqs)
 
     def release(self, seq: Sequence) -> None:
+        self.first.release(seq)
         self.model.release(seq)
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
                 generators: list[torch.Generator]) -> DraftBatch:
-        found = self.ngram.propose(seqs, lengths, generators)
+        found = self.first.propose(seqs, lengths, generators)
         proposals = [found.tokens(b) for b in range(len(seqs))]
         need = [b for b, (p, g) in enumerate(zip(proposals, lengths)) if g > 0 and not p]
         sub = self.model.propose([seqs[b] for b in need], [lengths[b] for b in need],
@@ -304,7 +311,7 @@ class HybridDrafter:
 
     @staticmethod
     def _mixed(proposals, need, sub: DraftBatch, device) -> DraftBatch:
-        """Scatter the model's q rows into the flat batch; n-gram rows are marked one-hot."""
+        """Scatter the model's q rows into the flat batch; the first part's rows are marked one-hot."""
         batch = DraftBatch.from_lists(proposals, device)
         vocab = sub.draft_probs.shape[-1]
         probs = torch.zeros(len(batch.draft_ids), vocab, dtype=sub.draft_probs.dtype, device=device)

@@ -1,0 +1,241 @@
+"""Suffix drafting (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975): drafts from what the text
+so far, and what finished earlier in this worker, continued with after the same tokens.
+
+Two indexes of one kind, a suffix trie bounded in depth (`SuffixTrie`: every substring of at most
+`max_depth` tokens of the indexed text, each node counting its occurrences):
+
+- per request (`RequestIndex`): the sequence's own prompt + committed output, extended as tokens are
+  committed (only ever appended: drafts are not committed);
+- worker-wide (`SuffixCache`): prompt + output of the sequences that finished in this worker, at most
+  `max_cached_tokens` tokens; the oldest sequence is evicted first, its counts subtracted and nodes
+  that reach zero pruned, so memory stays bounded under a long job (at most tokens * max_depth nodes).
+
+Draft rule, per index: take the longest suffix of the sequence's tokens (at least `min_match`, at most
+max_depth - k tokens, so k draft tokens fit under the depth) that occurs followed by some token; from
+its node, repeatedly take the most frequent child. A token's estimated probability is the product of
+count(child) / (sum of the node's children counts) along the walk; stop before it falls below
+`min_prob`, at k tokens (the engine's length) and at floor(max_spec_factor * match length). The
+draft's score is the sum of those probabilities (its expected accepted length under the index);
+the per-request and worker-wide drafts compete on score, the per-request one winning ties.
+
+The index is plain Python (no torch). Drafts are token only (one-hot q), so the engine's verifier
+stays exact at any temperature. This module knows nothing about models, verification or rounds.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .drafters import DraftBatch, FreeDrafter
+from .request import Sequence
+
+
+@dataclass(frozen=True)
+class SuffixParams:
+    max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
+    min_match: int = 2                # shortest matched suffix that may draft
+    min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
+    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
+    max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
+
+    def __post_init__(self):
+        if not (isinstance(self.max_depth, int) and 2 <= self.max_depth <= 256):
+            raise ValueError(f"max_depth: expected an integer in [2, 256], got {self.max_depth!r}")
+        if not (isinstance(self.min_match, int) and 1 <= self.min_match < self.max_depth):
+            raise ValueError(f"min_match: expected an integer in [1, max_depth), got {self.min_match!r}")
+        if not 0 <= self.min_prob <= 1:
+            raise ValueError(f"min_prob: expected a number in [0, 1], got {self.min_prob!r}")
+        if not self.max_spec_factor > 0:
+            raise ValueError(f"max_spec_factor: expected a number > 0, got {self.max_spec_factor!r}")
+        if not (isinstance(self.max_cached_tokens, int) and self.max_cached_tokens >= 0):
+            raise ValueError(f"max_cached_tokens: expected an integer >= 0, got {self.max_cached_tokens!r}")
+
+
+class SuffixTrie:
+    """Occurrence counts of every substring of at most `max_depth` tokens of the indexed texts.
+
+    Nodes are ints indexing flat lists (node 0 is the root); children maps hold ints only, so
+    Python's cyclic garbage collector does not track them (per-node objects made inserts ~6x slower
+    through collections alone). Pruned node ids are reused."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.count: list[int] = [0]                     # [node] occurrences of the node's path
+        self.children: list[dict[int, int]] = [{}]      # [node] next token -> child node
+        self._free: list[int] = []
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.count) - len(self._free)
+
+    def _new(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self.count.append(0)
+        self.children.append({})
+        return len(self.count) - 1
+
+    def extend(self, open_nodes: list[int], token: int) -> list[int]:
+        """Count the occurrences that end at `token` appended to a text whose suffixes of length
+        1..max_depth-1 are `open_nodes` (shortest first); returns the new text's open nodes."""
+        count, children, grown = self.count, self.children, []
+        for node in [0] + open_nodes:                   # hot loop: one node per indexed depth
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = self._new()
+            count[child] += 1
+            grown.append(child)
+        del grown[self.max_depth - 1:]
+        return grown
+
+    def add(self, tokens: list[int]) -> None:
+        open_nodes: list[int] = []
+        for token in tokens:
+            open_nodes = self.extend(open_nodes, token)
+
+    def remove(self, tokens: list[int]) -> None:
+        """Undo `add(tokens)`: subtract its counts; a node reaching zero is pruned with its subtree
+        (whose counts, bounded by its own, reach zero with it: the rest of this walk's path)."""
+        count, children = self.count, self.children
+        for start in range(len(tokens)):
+            node, freed = 0, []
+            for token in tokens[start:start + self.max_depth]:
+                child = children[node][token]
+                count[child] -= 1
+                if count[child] == 0:
+                    if not freed:
+                        del children[node][token]
+                    freed.append(child)
+                node = child
+            for node in freed:
+                children[node].clear()
+            self._free += freed
+
+    def find(self, pattern: list[int]) -> int | None:
+        node, children = 0, self.children
+        for token in pattern:
+            node = children[node].get(token)
+            if node is None:
+                return None
+        return node
+
+    def longest_match(self, context: list[int], max_len: int) -> tuple[int, int | None]:
+        """Longest suffix of `context` (at most max_len tokens) that occurs followed by a token, and
+        its node. A suffix that does implies its shorter suffixes do: binary search on the length."""
+        lo, hi, best = 0, min(max_len, len(context), self.max_depth - 1), None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            node = self.find(context[len(context) - mid:])
+            if node is not None and self.children[node]:
+                lo, best = mid, node
+            else:
+                hi = mid - 1
+        return lo, best
+
+    def walk(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """Most frequent continuation of `node`, at most `limit` tokens, each with estimated
+        probability >= min_prob. Returns (tokens, sum of their probabilities)."""
+        tokens, prob, score = [], 1.0, 0.0
+        while len(tokens) < limit and self.children[node]:
+            total = best_count = 0
+            for token, child in self.children[node].items():
+                total += self.count[child]
+                if self.count[child] > best_count:
+                    best_token, best_child, best_count = token, child, self.count[child]
+            prob *= best_count / total
+            if prob < min_prob:
+                break
+            tokens.append(best_token)
+            score += prob
+            node = best_child
+        return tokens, score
+
+    def draft(self, context: list[int], k: int, params: SuffixParams) -> tuple[list[int], float]:
+        """Up to k draft tokens after `context` by the module's rule, and their score."""
+        length, node = self.longest_match(context, max(params.min_match, self.max_depth - k))
+        if length < params.min_match:
+            return [], 0.0
+        return self.walk(node, min(k, int(params.max_spec_factor * length + 1e-9)), params.min_prob)
+
+
+class RequestIndex(SuffixTrie):
+    """One sequence's trie, grown token by token as its history is committed."""
+
+    def __init__(self, max_depth: int):
+        super().__init__(max_depth)
+        self.num_tokens = 0
+        self._open: list[int] = []
+
+    def append(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._open = self.extend(self._open, token)
+        self.num_tokens += len(tokens)
+
+
+class SuffixCache:
+    """The worker-wide trie over finished sequences: at most `max_tokens` tokens, oldest out first."""
+
+    def __init__(self, max_depth: int, max_tokens: int):
+        self.trie, self.max_tokens = SuffixTrie(max_depth), max_tokens
+        self.num_tokens = 0
+        self._texts: deque[list[int]] = deque()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._texts)
+
+    def add(self, tokens: list[int]) -> None:
+        """Index `tokens` (its last max_tokens), evicting the oldest sequences to make room."""
+        tokens = list(tokens[len(tokens) - self.max_tokens:]) if self.max_tokens else []
+        if not tokens:
+            return
+        while self._texts and self.num_tokens + len(tokens) > self.max_tokens:
+            old = self._texts.popleft()
+            self.trie.remove(old)
+            self.num_tokens -= len(old)
+        self.trie.add(tokens)
+        self._texts.append(tokens)
+        self.num_tokens += len(tokens)
+
+
+class SuffixDrafter(FreeDrafter):
+    """Suffix drafts from the sequence's own history and the worker's finished sequences. Owns one
+    RequestIndex per running sequence, synchronised with its committed tokens on commit (and on
+    propose), dropped on release, when the finished sequence joins the worker-wide cache."""
+    kind = "suffix"
+
+    def __init__(self, params: SuffixParams = SuffixParams(), device="cpu"):
+        self.params, self.device = params, device
+        self.cache = SuffixCache(params.max_depth, params.max_cached_tokens)
+        self._own: dict[Sequence, RequestIndex] = {}
+
+    def _synced(self, seq: Sequence) -> RequestIndex:
+        own = self._own.get(seq)
+        if own is None:
+            own = self._own[seq] = RequestIndex(self.params.max_depth)
+        if own.num_tokens < seq.num_tokens:
+            own.append(seq.all_ids()[own.num_tokens:])
+        return own
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._synced(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self._own.pop(seq, None)
+        self.cache.add(seq.all_ids())
+
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        own = self._synced(seq)
+        context = seq.all_ids()[-self.params.max_depth:]
+        tokens, score = own.draft(context, k, self.params)
+        if self.cache.num_tokens:
+            other, other_score = self.cache.trie.draft(context, k, self.params)
+            if other_score > score:
+                tokens = other
+        return tokens
+
+    def propose(self, seqs: list[Sequence], lengths: list[int], generators) -> DraftBatch:
+        return DraftBatch.from_lists([self.lookup(s, g) for s, g in zip(seqs, lengths)], self.device)

@@ -1,0 +1,233 @@
+"""The suffix drafter (engine/suffix.py): the index in plain Python, then through the engine (greedy
+identity alone and in hybrid, drafts actually accepted), its config keys, and the worker-wide cache's
+memory bound under thousands of finished sequences."""
+import random
+
+import pytest
+
+from conftest import greedy_reference, make_engine, run_requests
+from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
+from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
+from pipeline.engine.request import Sequence
+from pipeline.engine.suffix import RequestIndex, SuffixCache, SuffixTrie
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def seq_of(prompt, output=()) -> Sequence:
+    return Sequence("r", list(prompt), GREEDY, 0, list(output))
+
+
+def all_paths(trie: SuffixTrie) -> dict[tuple, int]:
+    out, stack = {}, [((), 0)]
+    while stack:
+        path, node = stack.pop()
+        for tok, child in trie.children[node].items():
+            out[path + (tok,)] = trie.count[child]
+            stack.append((path + (tok,), child))
+    return out
+
+
+def brute_counts(texts, depth) -> dict[tuple, int]:
+    counts = {}
+    for text in texts:
+        for i in range(len(text)):
+            for j in range(i + 1, min(i + depth, len(text)) + 1):
+                counts[tuple(text[i:j])] = counts.get(tuple(text[i:j]), 0) + 1
+    return counts
+
+
+# ---- the index --------------------------------------------------------------------------------------
+def test_counts_match_brute_force_after_adds_and_removes():
+    rng = random.Random(0)
+    texts = [[rng.randrange(5) for _ in range(rng.randrange(1, 30))] for _ in range(20)]
+    trie = SuffixTrie(max_depth=4)
+    for t in texts:
+        trie.add(t)
+    assert all_paths(trie) == brute_counts(texts, 4)
+    for t in texts[:12]:
+        trie.remove(t)
+    assert all_paths(trie) == brute_counts(texts[12:], 4)      # zero-count nodes are pruned
+    assert trie.num_nodes == 1 + len(brute_counts(texts[12:], 4))
+    for t in texts[12:]:
+        trie.remove(t)
+    assert trie.num_nodes == 1 and not trie.children[0]
+
+
+def test_longest_match_and_most_frequent_continuation():
+    trie = SuffixTrie(max_depth=8)
+    trie.add([1, 2, 3, 4, 9, 2, 3, 5, 7, 3, 5, 8, 8, 2, 3, 5])
+    # [2, 3] is followed by 4, 5, 5: the longest matched suffix of [..., 6, 2, 3] is [2, 3]
+    length, node = trie.longest_match([6, 2, 3], max_len=7)
+    assert length == 2 and node is trie.find([2, 3])
+    assert trie.walk(node, limit=1, min_prob=0.0)[0] == [5]
+    # [9, 2, 3] occurs once, followed by 5 7: a longer match wins over the more frequent [2, 3]
+    assert trie.longest_match([9, 2, 3], max_len=7)[0] == 3
+    assert trie.walk(trie.find([9, 2, 3]), limit=2, min_prob=0.0)[0] == [5, 7]
+    # the last occurrence of [2, 3, 5] ends the text: without a continuation it is not counted
+    assert trie.count[trie.find([2, 3, 5])] == 2
+    tokens, score = trie.walk(trie.find([2, 3, 5]), limit=1, min_prob=0.0)
+    assert tokens == [7] and score == pytest.approx(1.0)
+
+
+def test_draft_length_from_confidence():
+    trie = SuffixTrie(max_depth=10)
+    for tail in ([5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, 9], [5, 9, 9]):
+        trie.add([1, 2, 3, 4] + tail)
+    params = SuffixParams(max_depth=10, min_match=1, min_prob=0.0, max_spec_factor=10.0)
+    # after [3, 4]: 5 (1.0), then 6 (3/5 = 0.6), then 7 (0.6 * 2/3 = 0.4)
+    tokens, score = trie.draft([0, 3, 4], k=5, params=params)
+    assert tokens == [5, 6, 7] and score == pytest.approx(1.0 + 0.6 + 0.4)
+    assert trie.draft([0, 3, 4], 5, SuffixParams(10, 1, min_prob=0.5, max_spec_factor=10.0))[0] == [5, 6]
+    assert trie.draft([0, 3, 4], 5, SuffixParams(10, 1, min_prob=0.7, max_spec_factor=10.0))[0] == [5]
+    assert trie.draft([0, 3, 4], 2, params)[0] == [5, 6]                                   # engine's k
+    assert trie.draft([0, 3, 4], 5, SuffixParams(10, 1, 0.0, max_spec_factor=0.5))[0] == [5]   # 0.5 * 2
+    assert trie.draft([0, 7, 4], 5, SuffixParams(10, 1, 0.0))[0] == [5]                    # 1.0 x match [4]
+    assert trie.draft([0, 7, 4], 5, SuffixParams(10, min_match=2, min_prob=0.0))[0] == []  # too short
+    assert trie.draft([0, 0, 42], 5, params) == ([], 0.0)                                  # no match
+
+
+def test_request_index_grows_incrementally():
+    rng = random.Random(1)
+    text = [rng.randrange(4) for _ in range(60)]
+    index = RequestIndex(max_depth=5)
+    pos = 0
+    while pos < len(text):
+        step = rng.randrange(1, 5)
+        index.append(text[pos:pos + step])
+        pos += step
+        assert all_paths(index) == brute_counts([text[:pos]], 5)
+    assert index.num_tokens == len(text)
+
+
+def test_drafter_follows_commits_and_releases_into_the_cache():
+    drafter = SuffixDrafter(SuffixParams(min_match=2, min_prob=0.6, max_spec_factor=4.0))
+    seq = seq_of([1, 2, 3, 4, 5, 1, 2])
+    assert drafter.lookup(seq, 3) == [3, 4, 5]            # from its own prompt
+    seq.output_ids += [3, 4, 7, 1, 2]                     # committed: 1 2 -> 3 twice
+    drafter.on_commit([seq])
+    assert drafter._own[seq].num_tokens == seq.num_tokens
+    assert drafter.lookup(seq, 3) == [3, 4]               # 3 4, then 5 or 7: 1/2 each, below min_prob
+    drafter.release(seq)
+    assert seq not in drafter._own and drafter.cache.num_tokens == seq.num_tokens
+    other = seq_of([9, 9, 4, 7])                          # nothing in its own history: from the cache
+    assert drafter.lookup(other, 2) == [1, 2]
+    assert drafter.lookup(seq_of([0, 6]), 4) == []
+
+
+def test_own_history_and_cache_compete_on_score():
+    drafter = SuffixDrafter(SuffixParams(min_match=1, max_spec_factor=4.0))
+    for _ in range(3):
+        drafter.release(seq_of([1, 2, 3, 4, 5, 6]))
+    seq = seq_of([7, 1, 2, 9, 1, 2])
+    assert drafter.lookup(seq, 4) == [3, 4, 5, 6]         # the cache's score 4 beats its own 3:
+    assert drafter._own[seq].draft(seq.all_ids(), 4, drafter.params) == ([9, 1, 2], 3.0)
+    drafter.release(seq_of([1, 2, 7]))
+    assert drafter.lookup(seq, 4) == [9, 1, 2]            # now 3, 0.75 + 4, 0.75 ...: 3.0 vs 3.0
+
+
+def test_cache_memory_stays_bounded_under_thousands_of_sequences():
+    rng = random.Random(2)
+    cap, depth = 2000, 8
+    cache = SuffixCache(max_depth=depth, max_tokens=cap)
+    template = [rng.randrange(1000) for _ in range(30)]
+    peak = 0
+    for i in range(3000):
+        text = template + [rng.randrange(1000) for _ in range(rng.randrange(1, 60))]
+        cache.add(text)
+        assert cache.num_tokens <= cap
+        peak = max(peak, cache.trie.num_nodes)
+    assert peak <= cap * depth + 1 and len(cache.trie.count) <= cap * depth + 1   # ids reused, lists bounded
+    kept = list(cache._texts)
+    assert all_paths(cache.trie) == brute_counts(kept, depth)        # evicted sequences left no trace
+    assert 20 < cache.num_sequences < 100
+    cache.add(list(range(5000)))                                     # longer than the cap: its tail
+    assert cache.num_sequences == 1 and cache.num_tokens == cap
+    assert cache.trie.num_nodes == 1 + len(brute_counts([list(range(3000, 5000))], depth))
+
+
+def test_cache_off_and_zero_length():
+    drafter = SuffixDrafter(SuffixParams(max_cached_tokens=0))
+    drafter.release(seq_of([1, 2, 3, 1, 2, 3]))
+    assert drafter.cache.num_tokens == 0
+    assert drafter.lookup(seq_of([1, 2]), 4) == []
+    assert drafter.lookup(seq_of([1, 2, 3, 1, 2]), 0) == []
+    batch = drafter.propose([seq_of([1, 2, 3, 1, 2]), seq_of([5])], [3, 3], [None, None])
+    assert batch.num_draft == [2, 0] and batch.tokens(0) == [3, 1] and batch.draft_probs is None   # 1 x match [1, 2]
+
+
+# ---- through the engine -----------------------------------------------------------------------------
+def templated_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing a template with a varying slot: the worker-wide index has something to find."""
+    rng = random.Random(seed)
+    head, tail = [rng.randrange(vocab) for _ in range(12)], [rng.randrange(vocab) for _ in range(6)]
+    return [head + [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))] + tail for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid-suffix"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_identity_with_templated_prompts(target_model, draft_model, kind, batch_size):
+    prompts = templated_prompts(10, target_model.config.vocab_size)
+    prompts += prompts[:4]                                     # repeats: whole outputs are in the index
+    max_new = 16
+    params = SamplingParams(max_tokens=max_new, temperature=0)
+    plain, _ = run_requests(make_engine(target_model, "none", max_num_seqs=batch_size), prompts, params)
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=batch_size, g=4)
+    done, rounds = run_requests(engine, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == plain[str(i)].output_ids
+    for i in (0, 3, 11):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompts[i], max_new)
+    assert sum(r.accepted for r in rounds) > 0
+    if kind == "suffix":           # a repeated prompt is drafted from the cache: most of it accepted
+        for rid in ("10", "11", "12", "13"):
+            assert sum(r.accepted for r in rounds if r.request_id == rid) >= max_new // 2
+
+
+# ---- config -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, key", [
+    ("models.suffix.max_depth=1", "models.suffix.max_depth"),
+    ("models.suffix.min_match=16", "models.suffix.min_match"),
+    ("models.suffix.min_prob=1.5", "models.suffix.min_prob"),
+    ("models.suffix.max_spec_factor=0", "models.suffix.max_spec_factor"),
+    ("models.suffix.max_cached_tokens=-1", "models.suffix.max_cached_tokens"),
+    ("models.suffix.depth=8", "models.suffix.depth"),
+    ("models.hybrid_proposer=draft", "models.hybrid_proposer"),
+])
+def test_bad_suffix_config_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/demo.yaml", [override])
+
+
+def test_suffix_config_loads_and_hashes():
+    plain = load_config("configs/demo.yaml")
+    assert "suffix" not in hashed_tree(plain)["models"] and "hybrid_proposer" not in hashed_tree(plain)["models"]
+    cfg = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.2"])
+    assert cfg.models.suffix.to_params() == SuffixParams(min_prob=0.2)
+    assert hashed_tree(cfg)["models"]["suffix"]["min_prob"] == 0.2
+    other = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.3"])
+    assert len({config_hash(plain), config_hash(cfg), config_hash(other)}) == 3
+    hybrid = load_config("configs/demo.yaml", ["models.drafter=hybrid", "models.draft=x",
+                                               "models.hybrid_proposer=suffix"])
+    assert hashed_tree(hybrid)["models"]["hybrid_proposer"] == "suffix" and "suffix" in hashed_tree(hybrid)["models"]
+
+
+# ---- the job ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_worker_killed_mid_unit_with_suffix_drafter_completes_exactly_once(tiny_model_dir, ray_head, tmp_path):
+    """The worker-wide index is in-memory state of the actor: a replacement starts with an empty one
+    and the job still commits every row exactly once."""
+    from pipeline.cluster.driver import run_job
+    from pipeline_util import job_config, prompt_rows, read_run, write_parquet
+    from test_pipeline import _check_exactly_once
+    rows = prompt_rows(10, "s", seed=3)
+    rows += [dict(r, id=r["id"] + "-again") for r in rows]          # repeats: drafted from the index
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
+                     f"cluster.address={ray_head.address}", "models.drafter=suffix", "models.suffix.min_match=1",
+                     "debug.crash_worker_after_steps=3", "sampling.max_tokens=12", "cluster.num_workers=1")
+    summary = run_job(cfg)
+    assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
+    run = read_run(tmp_path / "out" / "t")
+    _check_exactly_once(run, [r["id"] for r in rows])
+    assert not run["errors"] and summary["accepted_tokens"] > 0
