@@ -37,21 +37,23 @@ class DraftBatch:
     cu_num_draft: torch.Tensor           # [num_seqs + 1] int64
     draft_probs: torch.Tensor | None     # [num_draft_tokens, vocab] q, or None: all one-hot
     is_onehot: torch.Tensor | None       # [num_draft_tokens] bool, for mixed batches (hybrid)
+    proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
 
     @classmethod
     def from_lists(cls, proposals: list[list[int]], device, probs=None, is_onehot=None) -> "DraftBatch":
         num = [len(p) for p in proposals]
         flat = [t for p in proposals for t in p]
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
-        return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs, is_onehot)
+        return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs, is_onehot,
+                   [list(p) for p in proposals])
 
     def to(self, device) -> "DraftBatch":
         move = lambda t: None if t is None else t.to(device)
         return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
-                          move(self.is_onehot))
+                          move(self.is_onehot), self.proposals)
 
     def tokens(self, b: int) -> list[int]:
-        return self.draft_ids[int(self.cu_num_draft[b]):int(self.cu_num_draft[b + 1])].tolist()
+        return self.proposals[b]
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ through adaptive.py.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,7 +32,7 @@ from .prefill import forward_history
 from .request import RequestError, SamplingParams, Sequence
 from .runner import COMPILE_MODES, ModelRunner
 from .scheduler import Scheduler
-from .verify import VerifyOutput, verify, verify_greedy
+from .verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
 
 
 @dataclass
@@ -219,8 +220,9 @@ class SpecEngine:
             t_catch_up = time.perf_counter()
             lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
             catch_up_s = time.perf_counter() - t_catch_up if num_prefilled else 0.0
+        # No device sync here: a model drafter reads its tokens back per draft step anyway, and the
+        # verify phase's time runs to the step's one readback (_verify).
         drafts = self.drafter.propose(batch, lengths, [s.rng.draft for s in batch]).to(self.target.device)
-        self.target.synchronize()
         return drafts, time.perf_counter() - t0, catch_up_s
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
@@ -231,16 +233,16 @@ class SpecEngine:
         return [max(0, min(g, s.params.max_tokens - len(s.output_ids) - 1,
                            cfg.max_model_len - s.num_tokens - 1)) for g, s in zip(wanted, batch)]
 
-    def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> tuple[VerifyOutput, float]:
-        """One target forward over [last committed token, drafts] of every sequence, then the rule.
-        Returns the verifier's output and the phase's seconds."""
+    def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> tuple[HostVerifyOutput, float]:
+        """One target forward over [last committed token, drafts] of every sequence, then the rule,
+        then the step's one device-to-host readback. Returns the verifier's output (host lists) and
+        the phase's seconds."""
         t0 = time.perf_counter()
-        inputs = [[s.all_ids()[-1]] + drafts.tokens(b) for b, s in enumerate(batch)]
+        inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
         logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
         for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
             s.num_computed += len(toks)
-        out = self._verify_rule(batch, drafts, logits, inputs)
-        self.target.synchronize()
+        out = self._verify_rule(batch, drafts, logits, inputs).to_host()
         return out, time.perf_counter() - t0
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
@@ -267,16 +269,15 @@ class SpecEngine:
             sample.append(u[g:])
         return torch.cat(accept).to(device), torch.cat(sample).to(device)
 
-    def _commit(self, batch: list[Sequence], drafts: DraftBatch, out: VerifyOutput, draft_s: float,
+    def _commit(self, batch: list[Sequence], drafts: DraftBatch, out: HostVerifyOutput, draft_s: float,
                 verify_s: float) -> list[RoundRecord]:
         """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back (the
         target's here, the drafter's in on_commit). Returns the round records."""
         rounds = []
-        num_accepted, output_ids = out.num_accepted.tolist(), out.output_ids.tolist()
-        is_accepted, cu = out.is_accepted.tolist(), drafts.cu_num_draft.tolist()
+        is_accepted, cu = out.is_accepted, [0, *itertools.accumulate(drafts.num_draft)]
         for b, seq in enumerate(batch):
-            g, k = drafts.num_draft[b], num_accepted[b]
-            emitted = seq.commit(output_ids[b][:k + 1], self.eos_token_ids, self.config.max_model_len,
+            g, k = drafts.num_draft[b], out.num_accepted[b]
+            emitted = seq.commit(out.output_ids[b][:k + 1], self.eos_token_ids, self.config.max_model_len,
                                  self.decode)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
             self.policy.update(seq, g, k)

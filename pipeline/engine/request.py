@@ -117,6 +117,11 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def last_id(self) -> int:
+        """The last committed token (the next round's first input), without copying the history."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def commit(self, tokens: Seq[int], eos_ids: Seq[int], max_model_len: int,
                decode: Callable[[list[int]], str] | None = None) -> int:
         """Append tokens one at a time, stopping at the first stop condition. Returns how many were

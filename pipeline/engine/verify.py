@@ -27,6 +27,23 @@ class VerifyOutput:
     is_accepted: torch.Tensor    # [num_draft_tokens] bool: per draft position, accepted or not
                                  # (positions after the first rejection are False)
 
+    def to_host(self) -> "HostVerifyOutput":
+        """The step's one device-to-host readback: the three tensors packed into one int64 buffer."""
+        num_seqs, width = self.output_ids.shape
+        packed = torch.cat([self.num_accepted.long(), self.output_ids.reshape(-1).long(),
+                            self.is_accepted.long()]).tolist()
+        ids = packed[num_seqs:num_seqs + num_seqs * width]
+        return HostVerifyOutput(packed[:num_seqs], [ids[b * width:(b + 1) * width] for b in range(num_seqs)],
+                                [bool(a) for a in packed[num_seqs + num_seqs * width:]])
+
+
+@dataclass
+class HostVerifyOutput:
+    """VerifyOutput as Python lists (after the readback)."""
+    num_accepted: list[int]
+    output_ids: list[list[int]]
+    is_accepted: list[bool]
+
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row. probs [rows, vocab] (need not be normalised),
