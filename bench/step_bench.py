@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--q", type=int, default=5, help="tokens per row (g + 1)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--modes", default="off,on,auto")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +69,7 @@ def main() -> None:
             times = time_step(runner, contexts, args.q, args.repeats)
             med = statistics.median(times)
             medians[name] = med
-            print(f"compile={mode:3s} attention={'flex' if runner.flex else 'sdpa'} {name:8s} rows={len(contexts):2d} "
+            print(f"compile={mode:3s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
                   f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
                   f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s)")
         if "mixed" in medians and "uniform" in medians:

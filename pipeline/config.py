@@ -116,7 +116,8 @@ class EngineSection:
     max_prefill_tokens: int = 512
     packed_linear: bool = True      # CPU: reorder linear weights once for oneDNN (ignored on CUDA)
     compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
-                                    # own KV blocks (auto: wherever inductor can compile; off: eager SDPA)
+                                    # own KV blocks (auto: where inductor can compile, on steps where that
+                                    # beats padding every row to the longest; on: every step; off: eager)
 
     def __post_init__(self):
         try:

@@ -44,7 +44,8 @@ class EngineConfig:
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
     packed_linear: bool = True       # CPU: reorder linear weights once for oneDNN (ignored elsewhere)
     compile: str = "auto"            # compiled FlexAttention over the slot store (flex.py): auto (where
-                                     # inductor can compile) | on | off (eager padded SDPA)
+                                     # inductor can compile, on steps where it is the cheaper kernel) |
+                                     # on (every step) | off (eager padded SDPA)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),

@@ -7,7 +7,7 @@ itself (no gather, no copy), and a block mask built from each slot's start and n
 tells the kernel which key blocks each row reads:
 
   block       BLOCK consecutive key positions (and BLOCK consecutive query rows) of one slot
-  full block  keys all before the row's first new position: every query of the row sees all of
+  full block  keys all at or before the block's first query position: every query sees all of
               them, no per-element mask is evaluated
   partial     the blocks holding the row's new positions: `kv <= start + q` is evaluated per element
   skipped     everything past the row's last new position, and every block of a slot with no row
@@ -34,6 +34,19 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128          # key and query block size (FlexAttention's default)
 
+# Cost of a key position read by the flex kernel relative to one read by the eager padded SDPA kernel.
+# Measured on a 2-core AVX2 CPU, fp32, 32 rows x 5 queries, 9/3 heads of 64 (bench/RESULTS.md,
+# "Attention"): 0.62 vs 0.37-0.52 us per row-key, so on CPU flex pays only where padding wastes more
+# than that. CUDA: not measured yet; taken as even, so flex (no padding, no mask) always wins there.
+FLEX_RELATIVE_COST = {"cpu": 1.6, "cuda": 1.0}
+
+
+def prefer_flex(ends: list[int], device: torch.device) -> bool:
+    """Whether flex is the cheaper kernel for rows whose keys end at ends[b] (start + new tokens): flex
+    reads each row's own blocks, the eager kernel pads every row to the longest."""
+    flex_keys = sum(-(-end // BLOCK) * BLOCK for end in ends)
+    return FLEX_RELATIVE_COST.get(device.type, 1.0) * flex_keys < len(ends) * max(ends)
+
 
 def capacity(max_len: int) -> int:
     """Slot positions to allocate: max_len rounded up to whole blocks (the kernel reads whole blocks)."""
@@ -53,7 +66,7 @@ def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tenso
     live = q0 < slot_new.unsqueeze(1)                                          # block has a real query
     first_q = slot_start.unsqueeze(1) + q0                                     # its first query position
     end_q = slot_start.unsqueeze(1) + torch.minimum(q0 + BLOCK, slot_new.unsqueeze(1))   # past its last
-    full = torch.where(live, first_q // BLOCK, 0)                              # blocks 0..full-1 are full
+    full = torch.where(live, (first_q + 1) // BLOCK, 0)                        # blocks 0..full-1 are full
     upto = torch.where(live, -(-end_q // BLOCK), 0)                            # partial: full..upto-1
     kv = torch.arange(num_kv_blocks, device=device)
     partial_idx = (full.unsqueeze(-1) + kv).clamp(max=num_kv_blocks - 1)

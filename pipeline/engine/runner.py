@@ -12,23 +12,26 @@ from __future__ import annotations
 import torch
 
 from .cpu_linear import can_pack, pack_linears
-from .flex import capacity, flex_unavailable
+from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_mask, make_layout, register_attention
 
 COMPILE_MODES = ("auto", "on", "off")
 
 
-def use_flex(compile_mode: str, device: torch.device) -> bool:
-    """Whether a runner takes the compiled FlexAttention path: "on" (raises where it cannot),
-    "off" (the eager padded-SDPA path), or "auto" (on wherever it can compile)."""
+def flex_policy(compile_mode: str, device: torch.device) -> str | None:
+    """When a runner takes the compiled FlexAttention path: "always" (engine.compile=on; raises where
+    it cannot compile), "cheaper" (auto: on steps where flex.prefer_flex says so, wherever it can
+    compile), or None (off, or auto where it cannot: the eager padded-SDPA path)."""
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"engine.compile: expected one of {COMPILE_MODES}, got {compile_mode!r}")
     if compile_mode == "off":
-        return False
+        return None
     reason = flex_unavailable(device)
     if reason is not None and compile_mode == "on":
         raise RuntimeError(f"engine.compile=on, but FlexAttention cannot be compiled on {device}: {reason}")
-    return reason is None
+    if reason is not None:
+        return None
+    return "always" if compile_mode == "on" else "cheaper"
 
 
 def _text_config(config):
@@ -45,8 +48,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
         self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        # flex: attention per row over its own key blocks (flex.py); else padded SDPA (kv_cache.py)
-        self.flex = use_flex(compile, self.device)
+        # flex: attention per row over its own key blocks (flex.py), always or on steps where that is
+        # cheaper than padded SDPA (kv_cache.py), which is every other step's kernel
+        self.flex = flex_policy(compile, self.device)
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads,
                                  capacity(max_model_len) if self.flex else max_model_len,
                                  head_dim, self.dtype, self.device)
@@ -66,8 +70,9 @@ class ModelRunner:
         every real token in row order ([sum(len), vocab]), for the last token of each row
         ([rows, vocab]), or None (logits="none": prefill)."""
         num_new = [len(t) for t in tokens]
-        store = (self.cache.num_slots, self.cache.max_len) if self.flex else None
-        lay = make_layout(slots, starts, num_new, self.device, store)
+        flex = self.flex == "always" or (self.flex == "cheaper" and
+                                         prefer_flex([s + n for s, n in zip(starts, num_new)], self.device))
+        lay = make_layout(slots, starts, num_new, self.device, (self.cache.num_slots, self.cache.max_len) if flex else None)
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long).unsqueeze(0)   # [1, T]
         ends = torch.tensor(num_new).cumsum(0) - 1                             # packed index of each row's last
         keep = torch.zeros(flat.shape, dtype=torch.bool)
@@ -77,7 +82,7 @@ class ModelRunner:
             keep[0, ends if logits == "last" else ends[:1]] = True              # "none": HF needs >= 1
         self.cache.layout = lay
         out = self.model(input_ids=flat.to(self.device), position_ids=lay.flat_position_ids,
-                         attention_mask=None if self.flex else attention_mask(lay, self.num_groups, self.dtype),
+                         attention_mask=None if flex else attention_mask(lay, self.num_groups, self.dtype),
                          cache=self.cache, use_cache=True, logits_to_keep=keep.to(self.device),
                          slot_layout=lay)
         self.cache.layout = None

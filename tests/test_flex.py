@@ -1,0 +1,104 @@
+"""The compiled FlexAttention path (pipeline/engine/flex.py): block tables against a dense mask, the
+kernel against masked SDPA, the per-step kernel choice, and the compile modes."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_llama
+from pipeline.engine import flex as flex_mod
+from pipeline.engine.flex import BLOCK, block_tables, capacity, prefer_flex, slot_flex_attention
+from pipeline.engine.runner import ModelRunner, flex_policy
+
+
+def dense_allowed(slot_start, slot_new, max_q, cap):
+    """[num_slots, max_q, cap] bool: query q of slot s (a real one) sees keys <= start + q."""
+    q = torch.arange(max_q).view(1, -1, 1)
+    keys = torch.arange(cap).view(1, 1, -1)
+    real = q < slot_new.view(-1, 1, 1)
+    return real & (keys <= slot_start.view(-1, 1, 1) + q)
+
+
+@pytest.mark.parametrize("max_q", [1, 5, 130])
+def test_block_tables_cover_exactly_the_allowed_keys(max_q):
+    gen = torch.Generator().manual_seed(max_q)
+    num_slots, cap = 9, 4 * BLOCK
+    slots = torch.tensor([7, 2, 4, 0, 5])                            # not contiguous, not sorted
+    num_new = torch.randint(1, max_q + 1, (5,), generator=gen)
+    starts = torch.stack([torch.randint(0, int(cap - n), (1,), generator=gen)[0] for n in num_new])
+    partial_num, partial_idx, full_num, full_idx, slot_start = block_tables(slots, starts, num_new, num_slots,
+                                                                            max_q, cap // BLOCK)
+    slot_new = torch.zeros(num_slots, dtype=torch.long).index_copy_(0, slots, num_new)
+    allowed = dense_allowed(slot_start, slot_new, max_q, cap)
+    for s in range(num_slots):
+        for qb in range(partial_num.shape[2]):
+            rows = allowed[s, qb * BLOCK:(qb + 1) * BLOCK]                 # [<=BLOCK, cap]
+            per_block = rows.reshape(rows.shape[0], cap // BLOCK, BLOCK)
+            real = torch.arange(qb * BLOCK, qb * BLOCK + rows.shape[0]) < slot_new[s]
+            full = [b for b in range(cap // BLOCK) if real.any() and per_block[real][:, b].all()]
+            some = [b for b in range(cap // BLOCK) if per_block[:, b].any()]
+            n_full, n_part = int(full_num[s, 0, qb]), int(partial_num[s, 0, qb])
+            assert full_idx[s, 0, qb, :n_full].tolist() == full
+            listed = set(full) | set(partial_idx[s, 0, qb, :n_part].tolist())
+            assert set(some) <= listed, "an allowed key block is never read"
+            assert len(listed) <= len(some) + 1 and not set(full) & set(partial_idx[s, 0, qb, :n_part].tolist())
+
+
+@pytest.mark.parametrize("max_q", [1, 5, 130])
+def test_kernel_matches_masked_sdpa(max_q):
+    gen = torch.Generator().manual_seed(10 + max_q)
+    num_slots, kv_heads, heads, dim, cap = 6, 2, 4, 16, capacity(300)
+    keys = torch.randn(num_slots, kv_heads, cap, dim, generator=gen)
+    values = torch.randn(num_slots, kv_heads, cap, dim, generator=gen)
+    slots = torch.tensor([4, 1, 3])
+    num_new = torch.tensor([max_q, max(1, max_q // 2), 1])
+    starts = torch.tensor([cap - max_q, 7, 150])
+    token_row, token_q = (torch.arange(max_q).unsqueeze(0) < num_new.unsqueeze(1)).nonzero(as_tuple=True)
+    query = torch.randn(1, heads, len(token_row), dim, generator=gen)
+    tables = block_tables(slots, starts, num_new, num_slots, max_q, cap // BLOCK)
+    got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, max_q, 0.25)[0]
+    for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
+        s, end = int(slots[b]), int(starts[b]) + q + 1
+        k = keys[s, :, :end].repeat_interleave(heads // kv_heads, 0)
+        v = values[s, :, :end].repeat_interleave(heads // kv_heads, 0)
+        want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=0.25)[:, 0]   # [heads, dim]
+        torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_choice_follows_padding_waste():
+    cpu = torch.device("cpu")
+    assert prefer_flex([1505] + [150 + 3 * i for i in range(31)], cpu)      # one long row among short ones
+    assert not prefer_flex([150 + 3 * i for i in range(32)], cpu)          # even lengths: padded SDPA
+    assert not prefer_flex([40], cpu)
+    assert prefer_flex([200, 1000], torch.device("cuda"))                   # even cost assumed on CUDA
+
+
+def test_compile_modes(monkeypatch):
+    cpu = torch.device("cpu")
+    assert flex_policy("off", cpu) is None
+    assert flex_policy("on", cpu) == "always"
+    assert flex_policy("auto", cpu) == "cheaper"
+    with pytest.raises(ValueError, match="engine.compile"):
+        flex_policy("yes", cpu)
+    monkeypatch.setattr(flex_mod.shutil, "which", lambda name: None)
+    assert flex_policy("auto", cpu) is None                                 # falls back to eager
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        flex_policy("on", cpu)
+
+
+@pytest.mark.parametrize("compile", ["on", "auto"])
+def test_runner_logits_equal_eager(compile):
+    """The same forwards through both kernels (auto picks flex for the mixed step only): same logits."""
+    model = tiny_llama()
+    runners = {mode: ModelRunner(copy.deepcopy(model), 4, 600, pack_linear=False, compile=mode)
+               for mode in ("off", compile)}
+    gen = torch.Generator().manual_seed(3)
+    history = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (520, 30, 40, 35)]
+    for runner in runners.values():
+        runner.forward([0, 1, 2, 3], [0] * 4, [h[:-3] for h in history], logits="none")
+    steps = [([0, 1, 2, 3], [len(h) - 3 for h in history], [h[-3:] for h in history]),   # mixed lengths
+             ([1, 3], [len(history[1]) - 3, len(history[3]) - 3], [history[1][-3:], history[3][-3:]])]
+    for slots, starts, tokens in steps:
+        out = {mode: runner.forward(slots, starts, tokens) for mode, runner in runners.items()}
+        torch.testing.assert_close(out[compile], out["off"], atol=1e-4, rtol=1e-4)
