@@ -120,6 +120,8 @@ class EngineSection:
                                     # beats padding every row to the longest; on: every step; off: eager)
 
     def __post_init__(self):
+        # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
+        self.compile = {"True": "on", "False": "off"}.get(self.compile, self.compile)
         try:
             self.to_engine_config()
         except ValueError as e:

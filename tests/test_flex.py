@@ -102,3 +102,15 @@ def test_runner_logits_equal_eager(compile):
     for slots, starts, tokens in steps:
         out = {mode: runner.forward(slots, starts, tokens) for mode, runner in runners.items()}
         torch.testing.assert_close(out[compile], out["off"], atol=1e-4, rtol=1e-4)
+
+
+def test_compile_key_in_yaml_and_overrides(tmp_path):
+    """A bare on/off is a YAML 1.1 boolean: it still means the mode; anything else is named."""
+    from pipeline.config import ConfigError, load_config
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  compile: off\n")
+    assert load_config(str(path)).engine.compile == "off"
+    assert load_config(str(path), ["engine.compile=on"]).engine.compile == "on"
+    assert load_config(None, []).engine.compile == "auto"
+    with pytest.raises(ConfigError, match="engine.compile"):
+        load_config(str(path), ["engine.compile=maybe"])
