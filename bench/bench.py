@@ -26,16 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
-def suite(model: str, n_all: int, n_b1: int) -> list[dict]:
-    """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group."""
+def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto") -> list[dict]:
+    """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group.
+    all_seqs: our engine's max_num_seqs for the all-at-once configurations (running sequences)."""
     spec = "ngram" if model == "smollm2" else "draft"
-    eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch), *extra]
+    eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch),
+                                          "--compile", compile, *extra]
     configs = [
         # all prompts at once
         {"name": "hf_static_b16", "n": n_all, "args": ["--mode", "hf-static", "--batch", "16"]},
-        {"name": "ours_none_all", "n": n_all, "args": eng("none", 32, "--calibrate"), "ref": True},
-        {"name": f"ours_{spec}_all", "n": n_all, "args": eng(spec, 32, "--calibrate"), "base": "ours_none_all"},
-        {"name": f"ours_adaptive_{spec}_all", "n": n_all, "args": eng(spec, 32, "--adaptive"),
+        {"name": "ours_none_all", "n": n_all, "args": eng("none", all_seqs, "--calibrate"), "ref": True},
+        {"name": f"ours_{spec}_all", "n": n_all, "args": eng(spec, all_seqs, "--calibrate"), "base": "ours_none_all"},
+        {"name": f"ours_adaptive_{spec}_all", "n": n_all, "args": eng(spec, all_seqs, "--adaptive"),
          "base": "ours_none_all"},
         # batch 1
         {"name": "hf_plain_b1", "n": n_b1, "args": ["--mode", "hf-plain"]},
@@ -147,17 +149,19 @@ def _reference(cfg: dict, by_name: dict) -> str | None:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| config | prompts | tok/s median [min-max] | acceptance | tokens/round | peak RSS MB | "
-            "identical to ours_none | speedup vs base | predicted | measured/predicted |\n|" + "---|" * 10)
+            "identical to ours_none | speedup vs base | predicted | measured/predicted | useful GFLOP/s | of peak |"
+            "\n|" + "---|" * 12)
     lines = [head]
     fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][-120:]!r} |" + " |" * 8)
+            lines.append(f"| {r['name']} | failed: {r['error'][-120:]!r} |" + " |" * 10)
             continue
         lines.append(f"| {r['name']} | {r['n']} | {r['tok_s']:.1f} [{r['min']:.1f}-{r['max']:.1f}] | "
                      f"{fmt(r['acceptance'])} | {fmt(r['tokens_per_round'])} | {r['peak_rss_mb']:.0f} | "
                      f"{fmt(r.get('identical_to_ours_none'), '{:.0%}')} | {fmt(r.get('speedup'))} | "
-                     f"{fmt(r.get('predicted_speedup'))} | {fmt(r.get('measured_over_predicted'), '{:.0%}')} |")
+                     f"{fmt(r.get('predicted_speedup'))} | {fmt(r.get('measured_over_predicted'), '{:.0%}')} | "
+                     f"{fmt(r.get('gflops'), '{:.1f}')} | {fmt(r.get('peak_fraction'), '{:.0%}')} |")
     return "\n".join(lines)
 
 
@@ -170,6 +174,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="every system runs in this dtype")
+    ap.add_argument("--all-seqs", type=int, default=32, help="our max_num_seqs in the all-at-once configurations")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
     ap.add_argument("--only", nargs="*", help="run only these config names")
     ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
@@ -181,7 +187,7 @@ def main() -> None:
     for n in {args.n_all, args.n_b1}:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
-    configs = [c for c in suite(args.model, args.n_all, args.n_b1) if not args.only or c["name"] in args.only]
+    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile) if not args.only or c["name"] in args.only]
     common = ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     if args.from_files:
@@ -215,10 +221,62 @@ def load_runs(configs: list[dict], workdir: Path) -> dict[str, list[dict]]:
     return {k: v for k, v in runs.items() if v}
 
 
+def matmul_peak_gflops(dtype: str, threads: int = 2, size: int = 2048, repeats: int = 5) -> float:
+    """This machine's matmul peak: the best of `repeats` [size x size] @ [size x size] in `dtype`."""
+    import torch
+    torch.set_num_threads(threads)
+    a = torch.randn(size, size, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, dtype=getattr(torch, dtype))
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def num_params(model: str) -> int:
+    """Weights the forward multiplies by (the target's safetensors; a tied head counted once, as used)."""
+    from safetensors import safe_open
+    from pipeline.models import resolve_hf_dir
+    total = 0
+    for f in resolve_hf_dir(MODELS[model][0]).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def add_flops(rows: list[dict], prompt_tokens: dict[int, int], params: int, peak: float) -> None:
+    """Useful GFLOP/s per configuration: 2 x parameters x (prompt + generated tokens) / wall, the work
+    plain decoding must do (attention and rejected drafts not counted), and its fraction of the peak."""
+    for r in rows:
+        if "error" in r:
+            continue
+        new = r["_med"].get("total_new_tokens") or r["tok_s"] * r["_med"].get("wall_s", 0) or None
+        if not new:
+            continue
+        r["gflops"] = 2 * params * r["tok_s"] * (1 + prompt_tokens[r["n"]] / new) / 1e9
+        r["peak_fraction"] = r["gflops"] / peak
+
+
 def report(configs: list[dict], runs: dict[str, list[dict]], args) -> None:
     configs = [c for c in configs if runs.get(c["name"])]
     rows = summarise(configs, runs)
-    table = markdown(rows)
+    prompts = json.load(open(args.prompts))
+    peak = matmul_peak_gflops(args.dtype)
+    add_flops(rows, {n: sum(len(p) for p in prompts[:n]) for n in {args.n_all, args.n_b1}},
+              num_params(args.model), peak)
+    table = markdown(rows) + f"\n\nmatmul peak on this machine ({args.dtype}, 2 threads, 2048^3 torch.mm): {peak:.1f} GFLOP/s"
     print(table)
     json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "_med"} for r in rows]},
               open(args.out, "w"), indent=1)

@@ -47,7 +47,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
                           draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
-                            adaptive=args.adaptive, max_prefill_tokens=2048)
+                            adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile)
     engine = build_engine(models, section).engine
     if args.calibrate or args.adaptive:
         engine.calibrate()
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -10,6 +10,11 @@ Workloads (each row forwards --q tokens, as a round with g = q - 1 drafts does):
   batch1     1 row of ~150
 Prints ms per step (median and spread over --repeats, after 2 warm-ups) and the mixed/uniform ratio
 per mode. The KV contents are whatever the store holds: the cost does not depend on them.
+
+    .venv/bin/python -m bench.step_bench --threads 2 --sweep 16,32,64,128,256 --q 1 --max-model-len 512
+
+--sweep: running sequences (rows of ~300 context tokens) per step instead of the workloads, with
+tokens/s = rows x q / step time: where more running sequences stop paying (engine.max_num_seqs).
 """
 from __future__ import annotations
 
@@ -55,13 +60,19 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--modes", default="off,on,auto")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--sweep", default="", help="comma-separated row counts (see the docstring)")
     args = ap.parse_args()
+    if args.sweep:
+        for rows in map(int, args.sweep.split(",")):
+            WORKLOADS[f"rows{rows}"] = [300 + (7 * i) % 60 for i in range(rows)]
+        args.workloads = ",".join(f"rows{r}" for r in args.sweep.split(","))
     torch.set_num_threads(args.threads)
     print(f"model {args.model} {args.dtype} on {args.device}, {args.threads} thread(s), {args.q} tokens/row")
     for mode in args.modes.split(","):
         model, _ = load_model(ModelSpec(args.model, args.dtype, args.device))
         t0 = time.perf_counter()
-        runner = ModelRunner(model, 32, args.max_model_len, compile=mode)
+        runner = ModelRunner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
+                             args.max_model_len, compile=mode)
         medians = {}
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]
@@ -69,9 +80,10 @@ def main() -> None:
             times = time_step(runner, contexts, args.q, args.repeats)
             med = statistics.median(times)
             medians[name] = med
+            rate = f"  {len(contexts) * args.q / med:7.1f} tok/s" if args.sweep else ""
             print(f"compile={mode:3s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
                   f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
-                  f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s)")
+                  f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s){rate}")
         if "mixed" in medians and "uniform" in medians:
             print(f"compile={mode}: mixed / uniform step time = {medians['mixed'] / medians['uniform']:.2f}x")
         del runner, model
