@@ -47,6 +47,11 @@ def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = 
         {"name": f"ours_{spec}_b1", "n": n_b1, "args": eng(spec, 1, "--calibrate"), "base": "ours_none_b1"},
         {"name": f"ours_adaptive_{spec}_b1", "n": n_b1, "args": eng(spec, 1, "--adaptive"), "base": "ours_none_b1"},
     ]
+    if model == "smollm2":  # the suffix drafter (worker-wide index over finished outputs) next to n-gram
+        configs += [{"name": "ours_suffix_all", "n": n_all, "args": eng("suffix", all_seqs, "--calibrate"),
+                     "base": "ours_none_all"},
+                    {"name": "ours_suffix_b1", "n": n_b1, "args": eng("suffix", 1, "--calibrate"),
+                     "base": "ours_none_b1"}]
     for batch in (4, 16):   # adaptive must never lose more than 5% to no speculation, at any batch size
         configs += [{"name": f"ours_none_b{batch}", "n": n_all, "args": eng("none", batch), "ref": True},
                     {"name": f"ours_adaptive_{spec}_b{batch}", "n": n_all, "args": eng(spec, batch, "--adaptive"),

@@ -2,7 +2,7 @@
 
     python -m bench.run_one --model smollm2 --mode engine --drafter ngram --batch 32 --prompts P.json --out R.json
 
-Modes: engine (ours; --drafter none|ngram|draft|hybrid, --adaptive, --batch = max_num_seqs with every
+Modes: engine (ours; --drafter none|ngram|suffix|draft|hybrid, --adaptive, --batch = max_num_seqs with every
 prompt queued at once), hf-static (HF generate, static batches of --batch), hf-plain (HF batch 1),
 hf-assisted (HF assisted generation with the draft model, batch 1), hf-lookup (HF prompt lookup,
 batch 1). Each run warms up on two short prompts outside the clock.
@@ -103,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(MODELS), default="smollm2")
     ap.add_argument("--mode", choices=["engine", "hf-static", "hf-plain", "hf-assisted", "hf-lookup"])
-    ap.add_argument("--drafter", default="none", choices=["none", "ngram", "draft", "hybrid"])
+    ap.add_argument("--drafter", default="none", choices=["none", "ngram", "suffix", "draft", "hybrid"])
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--calibrate", action="store_true", help="measure cost curves (for the speedup model)")
     ap.add_argument("--batch", type=int, default=16)
