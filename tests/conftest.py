@@ -112,8 +112,9 @@ def run_requests(engine, prompts, params, arrive_every: int = 0, seeds=None, ids
 
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new: int) -> list[int]:
-    """Target-only greedy decoding by Hugging Face `generate` (its own DynamicCache path)."""
-    ids = torch.tensor([prompt])
+    """Target-only greedy decoding by Hugging Face `generate` (its own DynamicCache path), on the
+    model's device."""
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -122,7 +123,7 @@ def greedy_reference(model, prompt: list[int], max_new: int) -> list[int]:
 @torch.no_grad()
 def top2_gap(model, tokens: list[int]) -> float:
     """Gap between the two largest next-token logits after `tokens` (uncached, fp64 head)."""
-    hidden = model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0, -1]
+    hidden = model.model(input_ids=torch.tensor([tokens], device=model.device)).last_hidden_state[0, -1]
     logits = model.lm_head.weight.double() @ hidden.double()
     top = logits.topk(2).values
     return float(top[0] - top[1])

@@ -1,31 +1,156 @@
-"""The same engine on CUDA, unchanged (device from config). Skipped where no CUDA device exists;
-run on the lent GPU machine."""
+"""The same engine on CUDA, unchanged (device from config). Skipped where no CUDA device exists; run
+on a GPU machine by `bash bench/gpu_check.sh`.
+
+- fp32 greedy identity: every drafter, eager (compile off) and compiled FlexAttention (compile on),
+  against Hugging Face `generate` on the same CUDA device. A difference is allowed only where the
+  target's top-2 logits (CPU copy, fp64 head) are within NEAR_TIE, and at most MAX_TIES prompts.
+- Sampling (temperature 0.8): valid tokens, and the same seeds give the same tokens on a rerun.
+- bf16: completes, and agrees with fp32 on the first tokens of most prompts (threshold below).
+- A real checkpoint, only when SPECPIPE_GPU_MODEL_DIR names a safetensors directory (skipped else).
+
+The tiny models are random-init (only the weights are fake); they need no files.
+"""
+import copy
+import os
+
 import pytest
 import torch
 
-from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, noisy_copy, tiny_llama
+from conftest import DRAFTERS, greedy_reference, make_engine, mixed_prompts, noisy_copy, run_requests, top2_gap
 from pipeline.engine import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft-greedy", "draft-prob"])
-def test_greedy_identity_on_cuda(kind):
-    cpu_target = tiny_llama()
-    prompts = mixed_prompts(16, cpu_target.config.vocab_size, seed=2)
-    refs = [greedy_reference(cpu_target, p, 16) for p in prompts]
-    target = tiny_llama().cuda()
-    draft = noisy_copy(tiny_llama(), 0.05).cuda()
-    engine = make_engine(target, kind, draft, max_num_seqs=8, max_model_len=128, g=4)
-    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=16, temperature=0), arrive_every=2)
-    same = sum(done[str(i)].output_ids == ref for i, ref in enumerate(refs))
-    assert same >= len(prompts) - 1      # fp32 CUDA vs CPU kernels: at most one near-tie flip
-    assert engine.target.cache.keys[0].is_cuda
+NUM_PROMPTS, MAX_NEW = 24, 24
+NEAR_TIE = 1e-3          # as in test_greedy_identity.py: fp32 kernels may flip a top-2 gap this small
+MAX_TIES = 2             # prompts (of NUM_PROMPTS) allowed to differ, each on a checked near-tie
+BF16_PREFIX, BF16_MIN_AGREE = 2, 0.75
+MODEL_DIR_ENV = "SPECPIPE_GPU_MODEL_DIR"
 
 
-def test_sampling_runs_on_cuda():
-    target = tiny_llama().cuda()
-    engine = make_engine(target, "draft-prob", noisy_copy(tiny_llama(), 0.05).cuda(), max_num_seqs=4)
-    done, _ = run_requests(engine, mixed_prompts(6, 512, seed=1), SamplingParams(max_tokens=12, temperature=0.8))
-    assert all(len(c.output_ids) == 12 for c in done.values())
+@pytest.fixture(scope="module", autouse=True)
+def ieee_fp32_matmul():
+    """fp32 matmuls in full precision (no TF32), also inside the compiled FlexAttention kernel."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture(scope="module")
+def cuda_target(target_model):
+    return copy.deepcopy(target_model).cuda()
+
+
+@pytest.fixture(scope="module")
+def cuda_draft(draft_model):
+    return copy.deepcopy(draft_model).cuda()
+
+
+@pytest.fixture(scope="module")
+def prompts(target_model):
+    return mixed_prompts(NUM_PROMPTS, target_model.config.vocab_size, seed=2)
+
+
+@pytest.fixture(scope="module")
+def cuda_references(cuda_target, prompts):
+    return [greedy_reference(cuda_target, p, MAX_NEW) for p in prompts]
+
+
+def check_greedy(outputs: list[list[int]], references, prompts, tie_model) -> int:
+    """Each output equals its reference, or first differs on a near-tie of tie_model's top-2 logits.
+    Returns the number of differing prompts."""
+    mismatches = 0
+    for i, (out, ref, prompt) in enumerate(zip(outputs, references, prompts)):
+        assert len(out) == len(ref), f"prompt {i}: {len(out)} tokens, expected {len(ref)}"
+        if out != ref:
+            mismatches += 1
+            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+            gap = top2_gap(tie_model, prompt + ref[:j])
+            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
+    return mismatches
+
+
+def assert_on_cuda(engine, flex: bool) -> None:
+    runners = [engine.target] + ([engine.drafter.draft_runner] if engine.drafter.draft_runner else [])
+    for runner in runners:
+        assert runner.cache.keys[0].is_cuda and runner.cache.values[-1].is_cuda
+        assert runner.flex == flex
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_greedy_identity_on_cuda(kind, compile, target_model, cuda_target, cuda_draft, prompts, cuda_references):
+    engine = make_engine(cuda_target, kind, cuda_draft, max_num_seqs=8, max_model_len=128, g=4, compile=compile)
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=2)
+    outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
+    mismatches = check_greedy(outputs, cuda_references, prompts, target_model)
+    assert mismatches <= MAX_TIES, f"{mismatches} near-tie mismatches out of {NUM_PROMPTS}"
+    if kind != "none":     # the drafts must have been exercised, or identity is trivial
+        assert sum(r.accepted for r in rounds) > 0
+    assert_on_cuda(engine, flex=compile == "on")
+
+
+def sample(target, draft, kind, compile, prompts, seeds) -> tuple[list[list[int]], int]:
+    """Outputs at temperature 0.8 and the number of accepted draft tokens."""
+    engine = make_engine(target, kind, draft, max_num_seqs=4, max_model_len=128, compile=compile)
+    params = SamplingParams(max_tokens=16, temperature=0.8)
+    done, rounds = run_requests(engine, prompts, params, arrive_every=2, seeds=seeds)
+    return [done[str(i)].output_ids for i in range(len(prompts))], sum(r.accepted for r in rounds)
+
+
+@pytest.mark.parametrize("kind", ["draft-prob", "hybrid"])
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_sampling_on_cuda_reproduces(kind, compile, cuda_target, cuda_draft):
+    """Model drafters only: at temperature 0.8 the n-gram drafter rarely gets a draft accepted on these
+    random models' outputs (0-4 tokens per run on CPU), so it would prove nothing here."""
+    vocab = cuda_target.config.vocab_size
+    prompts = mixed_prompts(12, vocab, seed=1)
+    seeds = [100 + i for i in range(len(prompts))]
+    first, accepted = sample(cuda_target, cuda_draft, kind, compile, prompts, seeds)
+    assert all(len(out) == 16 and all(0 <= t < vocab for t in out) for out in first)
+    assert accepted > 0
+    assert sample(cuda_target, cuda_draft, kind, compile, prompts, seeds) == (first, accepted)
+    # other seeds must sample other tokens somewhere, or the seeds were ignored
+    assert sample(cuda_target, cuda_draft, kind, compile, prompts, [s + 1000 for s in seeds])[0] != first
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_bf16_agrees_with_fp32_on_first_tokens(compile, cuda_target, cuda_draft):
+    """bf16 rounding (relative 2^-8 per op) moves logits far more than fp32 does, so it flips close
+    top-2 choices, and these tiny random models (init range 0.7) diverge soon after a flip: whole
+    outputs rarely agree. Measured with this engine on CPU (bf16 vs fp32, draft-greedy, three sets of
+    48 prompts): the first 2 tokens agree on 88-94% of prompts, the first 4 on 67-83%. Required: the
+    first BF16_PREFIX = 2 tokens agree on >= 75% of 48 prompts (6+ prompts under the lowest measured
+    rate), every output complete, drafts accepted."""
+    prompts = mixed_prompts(48, cuda_target.config.vocab_size, seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target, draft = copy.deepcopy(cuda_target).to(dtype), copy.deepcopy(cuda_draft).to(dtype)
+        engine = make_engine(target, "draft-greedy", draft, max_num_seqs=16, max_model_len=128, compile=compile)
+        done, rounds = run_requests(engine, prompts, params, arrive_every=2)
+        assert engine.target.cache.keys[0].dtype == dtype and sum(r.accepted for r in rounds) > 0
+        outputs[dtype] = [done[str(i)].output_ids for i in range(len(prompts))]
+    assert all(len(out) == 16 for out in outputs[torch.bfloat16])
+    pairs = list(zip(outputs[torch.bfloat16], outputs[torch.float32]))
+    agree = {k: sum(b[:k] == f[:k] for b, f in pairs) for k in (BF16_PREFIX, 4, 16)}
+    print(f"bf16 vs fp32 (compile {compile}), prompts agreeing on the first k tokens of {len(prompts)}: {agree}")
+    assert agree[BF16_PREFIX] >= BF16_MIN_AGREE * len(prompts)
+
+
+@pytest.mark.skipif(not os.environ.get(MODEL_DIR_ENV), reason=f"{MODEL_DIR_ENV} not set (a real checkpoint dir)")
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_real_model_greedy_identity_on_cuda(compile):
+    """A real checkpoint in fp32: the engine with the n-gram drafter equals HF generate on CUDA, up to
+    near-ties of its own top-2 logits (fp64 head on the same device)."""
+    from pipeline.models import ModelSpec, load_model
+    model, tokenizer = load_model(ModelSpec(os.environ[MODEL_DIR_ENV], "float32", "cuda"))
+    vocab = min(len(tokenizer), model.config.vocab_size)
+    prompts = mixed_prompts(8, vocab, seed=5)
+    references = [greedy_reference(model, p, 32) for p in prompts]
+    engine = make_engine(model, "ngram", None, max_num_seqs=4, max_model_len=160, compile=compile)
+    done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    outputs = [done[str(i)].output_ids for i in range(len(prompts))]
+    assert check_greedy(outputs, references, prompts, model) <= 1

@@ -9,6 +9,8 @@ This module knows nothing about requests, drafting or sampling.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .cpu_linear import can_pack, pack_linears
@@ -34,6 +36,12 @@ def flex_policy(compile_mode: str, device: torch.device) -> str | None:
     return "always" if compile_mode == "on" else "cheaper"
 
 
+def cache_kwarg(model) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier releases, e.g. 5.17, which ignore an unknown `cache`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -55,6 +63,7 @@ class ModelRunner:
                                  capacity(max_model_len) if self.flex else max_model_len,
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
+        self.cache_kwarg = cache_kwarg(model)
         # On CPU, reorder the linear weights once for oneDNN: verifying a few tokens per sequence
         # then costs little more than one (see cpu_linear.py). Mutates the model in place.
         self.packed_linears = pack_linears(model) if pack_linear and can_pack(self.device, self.dtype) else 0
@@ -75,19 +84,17 @@ class ModelRunner:
         lay = make_layout(slots, starts, num_new, self.device, (self.cache.num_slots, self.cache.max_len) if flex else None)
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long).unsqueeze(0)   # [1, T]
         ends = torch.tensor(num_new).cumsum(0) - 1                             # packed index of each row's last
-        keep = torch.zeros(flat.shape, dtype=torch.bool)
-        if logits == "all":
-            keep[:] = True
-        else:
-            keep[0, ends if logits == "last" else ends[:1]] = True              # "none": HF needs >= 1
+        # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
+        # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
+        keep = 0 if logits == "all" else (ends if logits == "last" else ends[:1]).to(self.device)   # "none": HF needs >= 1
         self.cache.layout = lay
         out = self.model(input_ids=flat.to(self.device), position_ids=lay.flat_position_ids,
                          attention_mask=None if flex else attention_mask(lay, self.num_groups, self.dtype),
-                         cache=self.cache, use_cache=True, logits_to_keep=keep.to(self.device),
-                         slot_layout=lay)
+                         use_cache=True, logits_to_keep=keep, slot_layout=lay,
+                         **{self.cache_kwarg: self.cache})
         self.cache.layout = None
         self.num_forward_tokens += sum(num_new)
-        return None if logits == "none" else out.logits.float()
+        return None if logits == "none" else out.logits[0].float()           # [kept, vocab]
 
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest on asynchronous devices."""

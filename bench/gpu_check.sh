@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU check of issue 9, one command, on a machine with one CUDA device and torch + transformers
+# installed (no Ray, vLLM or network needed):
+#
+#     bash bench/gpu_check.sh [MODEL_DIR ...]
+#
+# 1. environment: nvidia-smi -L, python/torch/CUDA/transformers versions, the modules the check needs;
+# 2. python3 -m pytest tests/test_gpu.py (greedy identity, sampling, bf16 on CUDA; tiny random models,
+#    plus a real checkpoint when a MODEL_DIR is given);
+# 3. python3 -m bench.gpu_bench: tokens/s next to the HBM floor (random-init SmolLM2/Qwen shapes, or the
+#    MODEL_DIRs: HF safetensors directories).
+# A MODEL_DIR that does not exist is reported and skipped. Everything fits in GPU_CHECK_TOTAL_S
+# (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest.
+# Logs and gpu_bench.json go to $OUT when it is set. Env: PYTHON (python3), GPU_CHECK_SKIP_TESTS=1,
+# GPU_CHECK_SKIP_BENCH=1, GPU_BENCH_ARGS (more gpu_bench flags; a CPU dry run of this script:
+# GPU_BENCH_ARGS="--device cpu --dtype float32 --tiny"). Exit status: the tests' (0 when skipped), else the benchmark's.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TOTAL_S=${GPU_CHECK_TOTAL_S:-480}
+TEST_S=${GPU_CHECK_TEST_S:-210}
+LOGDIR=${OUT:-$(mktemp -d)}
+log() { echo "[gpu_check +${SECONDS}s] $*"; }
+
+log "== environment"
+nvidia-smi -L 2>&1 || log "nvidia-smi: not available"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+log "C compiler (Triton builds its launcher with one): $(command -v gcc || command -v cc || echo NONE)"
+"$PY" - <<'EOF'
+import importlib, sys
+import torch, transformers
+print(f"python {sys.version.split()[0]}  torch {torch.__version__} (CUDA {torch.version.cuda})  "
+      f"transformers {transformers.__version__}")
+print("cuda available:", torch.cuda.is_available(),
+      "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no device")
+for name in ("triton", "numpy", "safetensors", "tokenizers", "pytest"):
+    try:
+        print(f"  {name} {getattr(importlib.import_module(name), '__version__', '?')}")
+    except ImportError:
+        print(f"  {name} MISSING")
+import pipeline.engine, pipeline.models   # what the check imports from the project
+print("pipeline.engine and pipeline.models import")
+EOF
+[ $? -eq 0 ] || { log "the environment check failed (above): nothing else can run"; exit 2; }
+
+DIRS=()
+for d in "$@"; do
+    if [ -d "$d" ]; then DIRS+=("$d"); else log "model dir $d: not found, skipped (real-model figures need it)"; fi
+done
+if [ ${#DIRS[@]} -gt 0 ] && [ -z "${SPECPIPE_GPU_MODEL_DIR:-}" ]; then
+    export SPECPIPE_GPU_MODEL_DIR="${DIRS[0]}"          # tests/test_gpu.py's real-checkpoint test
+fi
+[ ${#DIRS[@]} -gt 0 ] || log "no model dir: tests use tiny random models, the benchmark random-init real shapes"
+
+TEST_RC=0
+if [ "${GPU_CHECK_SKIP_TESTS:-0}" = 1 ]; then
+    log "== tests skipped (GPU_CHECK_SKIP_TESTS=1)"
+elif ! "$PY" -c "import pytest" 2>/dev/null; then
+    log "== pytest is not installed for $PY: tests/test_gpu.py NOT run (no network to install it)"
+else
+    log "== tests/test_gpu.py (at most ${TEST_S} s; log: $LOGDIR/gpu_tests.log)"
+    timeout "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_gpu.py 2>&1 \
+        | tee "$LOGDIR/gpu_tests.log"
+    TEST_RC=${PIPESTATUS[0]}
+    [ "$TEST_RC" -eq 124 ] && log "tests: cut at ${TEST_S} s (timeout)"
+    log "tests: exit status $TEST_RC"
+fi
+
+BENCH_RC=0
+BUDGET_S=$((TOTAL_S - SECONDS - 60))            # no configuration starts later; warm-ups may run over
+if [ "${GPU_CHECK_SKIP_BENCH:-0}" = 1 ]; then
+    log "== benchmark skipped (GPU_CHECK_SKIP_BENCH=1)"
+elif [ "$BUDGET_S" -lt 60 ]; then
+    log "== benchmark skipped: only ${BUDGET_S} s of the ${TOTAL_S} s left"
+else
+    log "== bench/gpu_bench.py (configurations start within ${BUDGET_S} s; log: $LOGDIR/gpu_bench.log)"
+    timeout $((BUDGET_S + 50)) "$PY" -m bench.gpu_bench --budget-s "$BUDGET_S" --out "$LOGDIR/gpu_bench.json" \
+        ${DIRS[@]+--model-dir "${DIRS[@]}"} ${GPU_BENCH_ARGS:-} 2>&1 | tee "$LOGDIR/gpu_bench.log"
+    BENCH_RC=${PIPESTATUS[0]}
+    [ "$BENCH_RC" -eq 124 ] && log "benchmark: cut by timeout (results so far are in gpu_bench.json)"
+fi
+log "done: tests exit $TEST_RC, benchmark exit $BENCH_RC; logs and JSON in $LOGDIR"
+[ "$TEST_RC" -ne 0 ] && exit "$TEST_RC"
+exit "$BENCH_RC"
