@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.run_one import MODELS
+from pipeline.hardware import resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
@@ -178,7 +179,8 @@ def main() -> None:
     ap.add_argument("--n-b1", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", help="every system runs in this dtype")
+    ap.add_argument("--dtype", default="auto", help="every system runs in this dtype; auto: what "
+                    "pipeline/hardware.py picks for this machine's CPU (resolved once, here)")
     ap.add_argument("--all-seqs", type=int, default=32, help="our max_num_seqs in the all-at-once configurations")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
     ap.add_argument("--only", nargs="*", help="run only these config names")
@@ -192,8 +194,11 @@ def main() -> None:
     for n in {args.n_all, args.n_b1}:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
-    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile) if not args.only or c["name"] in args.only]
-    common = ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile)
+               if not args.only or c["name"] in args.only]
+    dtype = resolve_dtype(args.dtype, "cpu")     # concrete for every system (vLLM's own `auto` differs)
+    print(f"dtype: {dtype.describe()}", flush=True)
+    common = ["--max-tokens", str(args.max_tokens), "--dtype", dtype.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     if args.from_files:
         report(configs, load_runs(configs, workdir), args)

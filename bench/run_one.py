@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from bench import hf_baselines
 from pipeline.config import EngineSection, ModelsConfig
 from pipeline.engine import SamplingParams
+from pipeline.hardware import resolve_dtype
 from pipeline.models import ModelSpec, load_model
 from pipeline.runtime import build_engine
 
@@ -111,7 +113,8 @@ def main() -> None:
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto (this machine decides: pipeline/hardware.py) "
+                    "| float32 | bfloat16 | float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
@@ -119,10 +122,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, args.device)
+    print(f"dtype: {dtype.describe()}", file=sys.stderr, flush=True)
+    args.dtype = dtype.dtype                      # every system below runs in the resolved dtype
     prompts = json.load(open(args.prompts))
     res = run_engine(args, prompts) if args.mode == "engine" else run_hf(args, prompts)
     res.update({"mode": args.mode, "drafter": args.drafter, "adaptive": args.adaptive, "batch": args.batch,
-                "model": args.model, "dtype": args.dtype, "num_prompts": len(prompts),
+                "model": args.model, "dtype": args.dtype, "dtype_reason": dtype.reason, "num_prompts": len(prompts),
                 "peak_rss_mb": peak_rss_mb(), "end_rss_mb": current_rss_mb()})
     with open(args.out, "w") as f:
         json.dump(res, f)

@@ -22,11 +22,12 @@ from omegaconf.errors import OmegaConfBaseException
 from .engine.engine import EngineConfig
 from .engine.request import SamplingParams
 from .engine.suffix import SuffixParams
+from .hardware import AUTO, EXPLICIT_DTYPES
 from .io.storage import RetryPolicy
 
 DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
 HYBRID_PROPOSERS = ("ngram", "suffix")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = (AUTO, *EXPLICIT_DTYPES)
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -63,7 +64,8 @@ class ModelsConfig:
     ngram_min: int = 2                       # shortest suffix n-gram looked up
     ngram_max: int = 4                       # longest suffix n-gram looked up
     suffix: SuffixSection = field(default_factory=SuffixSection)   # drafter suffix (or hybrid's first part)
-    dtype: str = "bfloat16"                  # float32 | bfloat16 | float16
+    dtype: str = AUTO                        # auto (each worker picks for its hardware: pipeline/hardware.py)
+                                             # | float32 | bfloat16 | float16
     device: str = "cpu"                      # cpu | cuda | cuda:N
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
 

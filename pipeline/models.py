@@ -47,7 +47,8 @@ class ModelSpec:
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise ValueError(f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r} "
+                             "(resolve 'auto' first: pipeline.hardware.resolve_dtype)")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -69,7 +69,20 @@ def print_summary(summary: dict, show: int = 3, storage: StorageConfig = Storage
           f"({s['tokens_per_s']} tok/s, {s['rows_per_s']} rows/s; generating {s.get('generate_s')} s, "
           f"{s.get('generate_tokens_per_s')} tok/s); acceptance {s['acceptance_rate']}, "
           f"{s['tokens_per_round']} tokens/round")
+    for line in model_lines(s.get("workers", [])):
+        print(line)
     print(f"output: {run_url} (manifest.json, _SUCCESS)")
+
+
+def model_lines(workers: list[dict]) -> list[str]:
+    """One line per distinct (target, draft, dtype) the workers loaded, naming the workers: with
+    `models.dtype: auto` each machine chooses, so a mixed cluster shows every choice."""
+    groups: dict[tuple, list[str]] = {}
+    for w in workers:
+        key = (w.get("target"), w.get("draft"), w.get("dtype"), w.get("dtype_reason"))
+        groups.setdefault(key, []).append(str(w.get("worker")))
+    return [f"models: {target}" + (f" + draft {draft}" if draft else "") + f", dtype {dtype} ({reason})"
+            f" on {', '.join(names)}" for (target, draft, dtype, reason), names in groups.items()]
 
 
 

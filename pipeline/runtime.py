@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .config import EngineSection, ModelsConfig
 from .engine import DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine, SuffixDrafter
+from .hardware import DtypeChoice, resolve_dtype
 from .models import ModelSpec, check_vocab_compatible, load_model, model_id, reject_unsupported
 
 
@@ -18,6 +19,7 @@ class LoadedEngine:
     tokenizer: object
     target_id: str
     draft_id: str | None
+    dtype: DtypeChoice           # what `models.dtype` resolved to on this machine, and why
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -30,13 +32,15 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngine:
-    spec = ModelSpec(models.target, models.dtype, models.device, models.trust_remote_code)
+    """Load target (+ draft) in the dtype `models.dtype` resolves to on this machine's hardware."""
+    dtype = resolve_dtype(models.dtype, models.device)
+    spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code)
     target, tokenizer = load_model(spec)
     reject_unsupported(target.config, engine_cfg.max_model_len)
     slots, max_len = engine_cfg.max_num_seqs, engine_cfg.max_model_len
     drafter, draft_id = None, None
     if models.drafter in ("draft", "hybrid"):
-        dspec = ModelSpec(models.draft, models.dtype, models.device, models.trust_remote_code)
+        dspec = ModelSpec(models.draft, dtype.dtype, models.device, models.trust_remote_code)
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, max_len)
@@ -46,10 +50,10 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
     if models.drafter in ("ngram", "suffix", "hybrid"):
         free = free_drafter(models, models.hybrid_proposer if models.drafter == "hybrid" else models.drafter)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile), drafter, engine_cfg.to_engine_config(),
-                        eos_token_ids=eos_ids(target, tokenizer),
+    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile), drafter,
+                        engine_cfg.to_engine_config(), eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id)
+    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype)
 
 
 def free_drafter(models: ModelsConfig, kind: str) -> NgramDrafter | SuffixDrafter:

@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import main
-from pipeline.config import ConfigError, config_hash, load_config, redacted
+from pipeline.config import ConfigError, config_hash, hashed_tree, load_config, redacted
+from pipeline.hardware import resolve_dtype
 
 
 @pytest.mark.parametrize("override, key", [
@@ -46,6 +47,9 @@ def test_config_hash_is_stable_and_sensitive():
     # where and how the job runs does not change what it computes: resume across them is allowed
     moved = load_config("configs/demo.yaml", ["cluster.num_workers=4", "storage.secret=s", "run.progress=false"])
     assert config_hash(a) == config_hash(moved)
+    # `auto` itself is hashed (each worker resolves it): the same config is the same run on any hardware
+    assert a.models.dtype == "auto" and hashed_tree(a)["models"]["dtype"] == "auto"
+    assert config_hash(a) != config_hash(load_config("configs/demo.yaml", ["models.dtype=float32"]))
 
 
 def test_stored_config_redacts_credentials():
@@ -56,7 +60,7 @@ def test_stored_config_redacts_credentials():
 
 
 @pytest.mark.slow
-def test_demo_job_on_real_model_and_local_ray(tmp_path):
+def test_demo_job_on_real_model_and_local_ray(tmp_path, capsys):
     """The README's demo path: no cluster address, so the job starts its own local Ray (token auth
     on), runs the shipped SmolLM2 over a real prompt shard and commits the run."""
     src = tmp_path / "in"
@@ -76,7 +80,11 @@ def test_demo_job_on_real_model_and_local_ray(tmp_path):
         "empty": ("empty_prompt", "prompt"), "badtemp": ("bad_sampling", "temperature")}
     assert all(0 < c["completion_tokens"] <= 12 and c["text"] for c in comps)
     assert {c["target_model"] for c in comps} == {"smollm2-135m-instruct"}
+    chosen = resolve_dtype("auto", "cpu")                  # the demo config says dtype: auto
+    assert {c["model_dtype"] for c in comps} == {chosen.dtype}
     manifest = json.loads((run / "manifest.json").read_text())
+    assert {(w["dtype"], w["dtype_reason"]) for w in manifest["workers"]} == {(chosen.dtype, chosen.reason)}
+    assert f"dtype {chosen.describe()} on w" in capsys.readouterr().out
     assert manifest["completions"] == 5 and manifest["errors"] == 2 and (run / "_SUCCESS").exists()
     stored = (run / "config.yaml").read_text()
     assert "smollm2-135m-instruct" in stored and manifest["config_hash"] == comps[0]["config_hash"]

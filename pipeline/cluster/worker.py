@@ -100,6 +100,7 @@ class GenerationWorker:
         self._metrics = WorkerMetrics(self.name, self.cfg.run.run_id, enabled=self.cfg.run.metrics)
         threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
         return {"worker": self.name, "target": self.loaded.target_id, "draft": self.loaded.draft_id,
+                "dtype": self.loaded.dtype.dtype, "dtype_reason": self.loaded.dtype.reason,
                 "load_s": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
 
     def run_unit(self, unit: Unit) -> dict:
@@ -237,6 +238,7 @@ class GenerationWorker:
                 "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
                 "mean_accepted_length": n / c.num_rounds if c.num_rounds else None, "seed": c.seed,
                 "target_model": self.loaded.target_id, "draft_model": self.loaded.draft_id,
+                "model_dtype": self.loaded.dtype.dtype,
                 "drafter": self.cfg.models.drafter, "config_hash": self.config_hash,
                 "run_id": self.cfg.run.run_id, "unit": unit.uid, "source_file": unit.file,
                 "source_row": index, "worker": self.name, "latency_s": latency}

@@ -21,6 +21,7 @@ COMPLETIONS = pa.schema([
     ("seed", pa.int64()),
     ("target_model", pa.string()),
     ("draft_model", pa.string()),
+    ("model_dtype", pa.string()),             # the dtype the worker ran the models in (auto resolved)
     ("drafter", pa.string()),
     ("config_hash", pa.string()),
     ("run_id", pa.string()),

@@ -1,0 +1,88 @@
+"""`models.dtype: auto`: every branch of the choice with injected hardware probes, the real probes on
+this machine, the config default, and the resolved dtype reaching the loaded engine and the summary."""
+import pytest
+import torch
+
+from pipeline.config import EngineSection, ModelsConfig
+from pipeline.hardware import (DtypeChoice, cpu_flags, proc_cpuinfo_flags, resolve_dtype)
+from pipeline.report import model_lines
+
+AVX2 = {"avx", "avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_f", "avx512_bw", "avx512_vnni"}
+
+
+def never_cuda(device):
+    raise AssertionError("a CPU device must not probe CUDA")
+
+
+def never_cpu():
+    raise AssertionError("a CUDA device must not probe CPU flags")
+
+
+@pytest.mark.parametrize("flags, dtype, reason", [
+    (AVX2, "float32", "auto: CPU has no avx512_bf16/amx_bf16"),
+    (AVX512, "float32", "auto: CPU has no avx512_bf16/amx_bf16"),        # plain AVX-512 emulates bf16
+    (AVX512 | {"avx512_bf16"}, "bfloat16", "auto: avx512_bf16"),
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "bfloat16", "auto: amx_bf16"),
+    ({"amx_bf16"}, "bfloat16", "auto: amx_bf16"),
+    (set(), "float32", "auto: CPU has no avx512_bf16/amx_bf16"),           # no flags known (e.g. ARM)
+])
+def test_auto_on_cpu_follows_the_bf16_flags(flags, dtype, reason):
+    assert resolve_dtype("auto", "cpu", flags=lambda: flags, cuda_bf16=never_cuda) == DtypeChoice(dtype, reason)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+@pytest.mark.parametrize("has_bf16, dtype", [(True, "bfloat16"), (False, "float16")])
+def test_auto_on_cuda_follows_native_bf16(device, has_bf16, dtype):
+    asked = []
+    choice = resolve_dtype("auto", device, flags=never_cpu, cuda_bf16=lambda d: asked.append(d) or has_bf16)
+    assert choice.dtype == dtype and asked == [device]     # the probe sees the configured device
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_explicit_dtypes_pass_through_without_probing(name, device):
+    assert resolve_dtype(name, device, flags=never_cpu, cuda_bf16=never_cuda) == DtypeChoice(name, "configured")
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="'fp8'"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_proc_cpuinfo_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    assert proc_cpuinfo_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
+    assert proc_cpuinfo_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_real_probes_agree_with_proc_cpuinfo():
+    """torch's cpuinfo and the kernel's flags name the same bf16 instructions on this machine."""
+    proc = proc_cpuinfo_flags()
+    if not proc:
+        pytest.skip("no /proc/cpuinfo flags line (not Linux x86)")
+    bf16 = {"avx512_bf16", "amx_bf16"}
+    assert cpu_flags() & bf16 == proc & bf16
+    assert resolve_dtype("auto", "cpu").dtype == ("bfloat16" if proc & bf16 else "float32")
+
+
+def test_auto_is_the_config_default():
+    assert ModelsConfig().dtype == "auto"
+
+
+def test_build_engine_loads_in_the_resolved_dtype(tiny_model_dir):
+    from pipeline.runtime import build_engine
+    loaded = build_engine(ModelsConfig(target=str(tiny_model_dir), drafter="ngram"),
+                          EngineSection(max_num_seqs=2, max_model_len=64))
+    assert loaded.dtype == resolve_dtype("auto", "cpu")
+    assert loaded.engine.target.dtype == getattr(torch, loaded.dtype.dtype)
+
+
+def test_summary_names_each_dtype_choice():
+    workers = [{"worker": "w0", "target": "m", "draft": None, "dtype": "float32", "dtype_reason": "auto: x"},
+               {"worker": "w1", "target": "m", "draft": None, "dtype": "float32", "dtype_reason": "auto: x"},
+               {"worker": "w2", "target": "m", "draft": "d", "dtype": "bfloat16", "dtype_reason": "auto: amx_bf16"}]
+    assert model_lines(workers) == ["models: m, dtype float32 (auto: x) on w0, w1",
+                                    "models: m + draft d, dtype bfloat16 (auto: amx_bf16) on w2"]
