@@ -198,6 +198,7 @@ def main() -> None:
                if not args.only or c["name"] in args.only]
     dtype = resolve_dtype(args.dtype, "cpu")     # concrete for every system (vLLM's own `auto` differs)
     print(f"dtype: {dtype.describe()}", flush=True)
+    args.dtype = dtype.dtype                      # recorded, and the matmul peak's dtype
     common = ["--max-tokens", str(args.max_tokens), "--dtype", dtype.dtype]
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     if args.from_files:
