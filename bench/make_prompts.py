@@ -4,6 +4,7 @@
 
 Order: one MT-bench question (first turn) then two input-grounded prompts (HumanEval and CoQA,
 alternating), repeated, so any prefix of the file is a mix of open and grounded prompts.
+`--grounded`: CoQA and HumanEval only (answers copy the input: the drafter benchmark's third workload).
 """
 from __future__ import annotations
 
@@ -33,10 +34,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct", help="whose tokenizer and chat template")
     ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--grounded", action="store_true",
+                    help="input-grounded prompts only (CoQA extraction and HumanEval, alternating)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     _, tokenizer = load_model(ModelSpec(args.model, "float32"))
-    records = interleaved(args.n)
+    if args.grounded:
+        half = args.n // 2 + 1
+        pairs = zip(load_prompt_set("coqa", half), load_prompt_set("humaneval", half))
+        records = [x for pair in pairs for x in pair][:args.n]
+    else:
+        records = interleaved(args.n)
     ids = build_prompt_ids(tokenizer, [r["messages"] for r in records])
     with open(args.out, "w") as f:
         json.dump(ids, f)

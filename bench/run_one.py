@@ -53,7 +53,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     engine = build_engine(models, section).engine
     if args.calibrate or args.adaptive:
         engine.calibrate()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
     t0 = time.perf_counter()
     done, rounds = _drain(engine, prompts, params, "p")
@@ -117,6 +117,7 @@ def main() -> None:
                     "| float32 | bfloat16 | float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)

@@ -1,0 +1,86 @@
+"""Drafters side by side on three workloads (issue 12): our engine with no draft, n-gram, suffix and
+adaptive suffix, all at once and at batch 4, each configuration in its own process (bench/run_one.py).
+
+    .venv/bin/python -m bench.drafter_workloads --n 16 --max-tokens 128 --out bench/out/v2/drafters.json
+
+Workloads (token-id prompt files, chat template applied):
+  mixed      bench/out/prompts_smollm2_256.json   the main bench's prompts (MT-bench + HumanEval + CoQA)
+  templated  bench/out/prompts_templated.json     the synthetic job's own prompts, 2 samples per prompt,
+                                                  sampled at temperature 0.7 (bench/make_templated.py)
+  grounded   bench/out/prompts_grounded.json      CoQA extraction + HumanEval only (make_prompts --grounded)
+Greedy except `templated`. Prints a Markdown table: tok/s, acceptance, tokens per round, speedup
+over no draft on the same workload and batch, and the drafter's time per round per sequence
+(draft phase seconds / sequence-rounds: the lookup cost, n-gram and suffix alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+WORKLOADS = {"mixed": ("bench/out/prompts_smollm2_256.json", 0.0),
+             "templated": ("bench/out/prompts_templated.json", 0.7),
+             "grounded": ("bench/out/prompts_grounded.json", 0.0)}
+DRAFTERS = [("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--adaptive"])]
+
+
+def run(workload: str, drafter: str, extra: list[str], batch: str, args, workdir: Path) -> dict:
+    path, temperature = WORKLOADS[workload]
+    prompts = json.load(open(path))[:args.n]
+    pfile = workdir / f"prompts_{workload}_{args.n}.json"
+    json.dump(prompts, open(pfile, "w"))
+    name = f"{workload}_{drafter}{'_adaptive' if extra else ''}_{batch}"
+    out = workdir / f"{name}.json"
+    cmd = [sys.executable, "-m", "bench.run_one", "--model", "smollm2", "--mode", "engine", "--drafter", drafter,
+           "--batch", str(len(prompts) if batch == "all" else 4), "--prompts", str(pfile), "--out", str(out),
+           "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--dtype", "float32", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"name": name, "error": proc.stderr[-400:]}
+    res = json.load(open(out))
+    rounds = res["num_rounds"]
+    return {"name": name, "workload": workload, "drafter": drafter + (" (adaptive)" if extra else ""),
+            "batch": batch, "tok_s": res["tokens_per_s"], "acceptance": res["acceptance_rate"],
+            "tokens_per_round": res["mean_tokens_per_round"], "draft_us_per_seq_round": 1e6 * res["draft_s"] / rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--workloads", default="mixed,templated,grounded")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    workdir = Path(args.out).with_suffix("")
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for workload in args.workloads.split(","):
+        for batch in ("all", "b4"):
+            base = None
+            for drafter, extra in DRAFTERS:
+                row = run(workload, drafter, extra, batch, args, workdir)
+                if "error" not in row:
+                    base = row["tok_s"] if drafter == "none" and not extra else base
+                    row["speedup"] = row["tok_s"] / base if base else None
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    json.dump(rows, open(args.out, "w"), indent=1)
+    fmt = lambda v, f: "" if v is None else f.format(v)
+    lines = ["| workload | batch | drafter | tok/s | acceptance | tokens/round | speedup vs none | draft us/seq/round |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][-100:]!r} | | | | | | |")
+            continue
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['drafter']} | {r['tok_s']:.1f} | "
+                     f"{fmt(r['acceptance'], '{:.2f}')} | {r['tokens_per_round']:.2f} | {fmt(r['speedup'], '{:.2f}')} | "
+                     f"{r['draft_us_per_seq_round']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.out).with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
