@@ -114,3 +114,24 @@ def test_compile_key_in_yaml_and_overrides(tmp_path):
     assert load_config(None, []).engine.compile == "auto"
     with pytest.raises(ConfigError, match="engine.compile"):
         load_config(str(path), ["engine.compile=maybe"])
+
+
+def test_many_head_sizes_in_one_process():
+    """Every model in one process shares the compiled kernel: scales are data, not graph constants,
+    and past dynamo's recompile limit the kernel still runs (CI once failed on the ninth variant)."""
+    cap = capacity(200)
+    slots, starts, num_new = torch.tensor([0, 2]), torch.tensor([10, 50]), torch.tensor([3, 2])
+    token_row, token_q = (torch.arange(3).unsqueeze(0) < num_new.unsqueeze(1)).nonzero(as_tuple=True)
+    tables = block_tables(slots, starts, num_new, 4, 3, cap // BLOCK)
+    for i, scale in enumerate([0.2 + 0.01 * i for i in range(12)]):
+        dim = 16 if i % 3 else 32
+        gen = torch.Generator().manual_seed(i)
+        keys, values = torch.randn(2, 4, 2, cap, dim, generator=gen)
+        query = torch.randn(1, 4, len(token_row), dim, generator=gen)
+        got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, 3, scale)[0]
+        for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
+            end = int(starts[b]) + q + 1
+            k = keys[int(slots[b]), :, :end].repeat_interleave(2, 0)
+            v = values[int(slots[b]), :, :end].repeat_interleave(2, 0)
+            want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=scale)[:, 0]
+            torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)

@@ -75,22 +75,25 @@ def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tenso
     return as_table(upto - full), as_table(partial_idx), as_table(full), as_table(full_idx), slot_start
 
 
-def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, scale: float):
+def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, scale: torch.Tensor):
     """query [num_slots, heads, max_q, dim] (row q of slot b at position slot_start[b] + q); key/value
-    the slot store [num_slots, kv_heads, capacity, dim]. Returns [num_slots, heads, max_q, dim]."""
+    the slot store [num_slots, kv_heads, capacity, dim]; scale a 0-d tensor (a Python float would be
+    a constant of the graph: one recompile per model's head size). Returns [num_slots, heads, max_q, dim]."""
     def causal(b, h, q, kv):
         return kv <= slot_start[b] + q
     mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
                                     mask_mod=causal, seq_lengths=(query.shape[2], key.shape[2]),
                                     compute_q_blocks=False)
-    return flex_attention(query, key, value, block_mask=mask, scale=scale,
+    return flex_attention(query * scale, key, value, block_mask=mask, scale=1.0,
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
 @lru_cache(maxsize=None)
 def compiled_attend():
-    """The compiled kernel, shared by every runner (one graph, dynamic in max_q)."""
-    return torch.compile(_attend, dynamic=True, fullgraph=True)
+    """The compiled kernel, shared by every runner: one graph per (dtype, heads, kv heads, head
+    size), dynamic in slots and query rows. Not fullgraph: past dynamo's recompile limit (8 variants
+    in one process) it runs uncompiled, slower but exact, instead of failing."""
+    return torch.compile(_attend, dynamic=True)
 
 
 def flex_unavailable(device: torch.device) -> str | None:
@@ -117,6 +120,6 @@ def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_stor
     num_slots = key_store.shape[0]
     rows = query.new_zeros(num_slots, max_q, num_heads, head_dim)
     rows[token_slot, token_q] = query[0].transpose(0, 1)
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = torch.tensor(head_dim ** -0.5 if scale is None else scale, dtype=query.dtype, device=query.device)
     out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
     return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)
