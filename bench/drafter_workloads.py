@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="mixed,templated,grounded")
+    ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive suffix configuration")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     workdir = Path(args.out).with_suffix("")
@@ -59,7 +60,7 @@ def main() -> None:
     for workload in args.workloads.split(","):
         for batch in ("all", "b4"):
             base = None
-            for drafter, extra in DRAFTERS:
+            for drafter, extra in DRAFTERS[:3] if args.no_adaptive else DRAFTERS:
                 row = run(workload, drafter, extra, batch, args, workdir)
                 if "error" not in row:
                     base = row["tok_s"] if drafter == "none" and not extra else base
