@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="mixed,templated,grounded")
+    ap.add_argument("--batches", default="all,b4", help="all (every prompt at once) and/or b4")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive suffix configuration")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -58,7 +59,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for workload in args.workloads.split(","):
-        for batch in ("all", "b4"):
+        for batch in args.batches.split(","):
             base = None
             for drafter, extra in DRAFTERS[:3] if args.no_adaptive else DRAFTERS:
                 row = run(workload, drafter, extra, batch, args, workdir)
