@@ -111,6 +111,12 @@ def flex_unavailable(device: torch.device) -> str | None:
     return f"device type {device.type!r} is not supported"
 
 
+@lru_cache(maxsize=64)
+def _scale_tensor(scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 0-d scale, made once (not one host-to-device copy per layer per forward)."""
+    return torch.tensor(scale, dtype=dtype, device=device)
+
+
 def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor,
                         token_slot: torch.Tensor, token_q: torch.Tensor, tables: tuple[torch.Tensor, ...],
                         max_q: int, scale: float | None) -> torch.Tensor:
@@ -120,6 +126,6 @@ def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_stor
     num_slots = key_store.shape[0]
     rows = query.new_zeros(num_slots, max_q, num_heads, head_dim)
     rows[token_slot, token_q] = query[0].transpose(0, 1)
-    scale = torch.tensor(head_dim ** -0.5 if scale is None else scale, dtype=query.dtype, device=query.device)
+    scale = _scale_tensor(head_dim ** -0.5 if scale is None else scale, query.dtype, query.device)
     out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
     return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)

@@ -34,8 +34,11 @@ ATTENTION_NAME = "specpipe_slot"
 @dataclass
 class StepLayout:
     """Where one forward's tokens go. The model sees them packed flat ([1, num_tokens]: no padding in
-    the projections and MLPs); attention unpacks them into padded [batch, max_q] rows."""
+    the projections and MLPs); attention unpacks them into padded [batch, max_q] rows. Every tensor
+    is a view of one buffer copied to the device once per forward (make_layout)."""
+    input_ids: torch.Tensor    # [1, num_tokens] int64 the tokens, packed row after row
     slots: torch.Tensor        # [batch] int64 slot of each row
+    row_ends: torch.Tensor     # [batch] int64 packed index of each row's last token
     position_ids: torch.Tensor  # [batch, max_q] int64 RoPE positions (padding repeats the last real one)
     is_valid: torch.Tensor     # [batch, max_q] bool real token (not padding)
     token_row: torch.Tensor    # [num_tokens] int64 row of each packed token
@@ -54,30 +57,37 @@ class StepLayout:
         return self.position_ids[self.token_row, self.token_q].unsqueeze(0)
 
 
-def make_layout(slots: list[int], starts: list[int], num_new: list[int], device: torch.device,
+def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], device: torch.device,
                 flex_store: tuple[int, int] | None = None) -> StepLayout:
-    """Build the layout for rows with `num_new[b]` new tokens at positions starts[b]... in slots[b].
-    flex_store: (num_slots, capacity) of the store when attention takes the FlexAttention path."""
-    max_q = max(num_new)
-    starts_t = torch.tensor(starts, dtype=torch.long)
-    num_new_t = torch.tensor(num_new, dtype=torch.long)
-    q_idx = torch.arange(max_q).unsqueeze(0)                                   # [1, max_q]
-    is_valid = q_idx < num_new_t.unsqueeze(1)                                  # [batch, max_q]
-    position_ids = starts_t.unsqueeze(1) + torch.minimum(q_idx, (num_new_t - 1).unsqueeze(1))
-    token_row, token_q = is_valid.nonzero(as_tuple=True)                       # row-major: packed order
-    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    """The layout for rows of new tokens tokens[b] at positions starts[b]... in slots[b], built on
+    the host as plain ints and copied to the device in one transfer (a GPU step is otherwise a string
+    of tiny copies). flex_store: (num_slots, capacity) of the store when attention takes the
+    FlexAttention path (its block tables are then built on the device, flex.block_tables)."""
+    num_new = [len(t) for t in tokens]
+    batch, max_q, num_tokens = len(slots), max(num_new), sum(num_new)
+    ends, end = [], -1
+    for n in num_new:
+        end += n
+        ends.append(end)
+    host = torch.tensor(
+        [t for row in tokens for t in row] + slots + starts + num_new + ends
+        + [s + min(q, n - 1) for s, n in zip(starts, num_new) for q in range(max_q)]
+        + [int(q < n) for n in num_new for q in range(max_q)]
+        + [r for r, n in enumerate(num_new) for _ in range(n)]
+        + [q for n in num_new for q in range(n)], dtype=torch.long)
+    (input_ids, slots_t, starts_t, num_new_t, ends_t, position_ids, is_valid, token_row,
+     token_q) = host.to(device).split([num_tokens] + [batch] * 4 + [batch * max_q] * 2 + [num_tokens] * 2)
     flex_tables = None
     if flex_store is not None:
         num_slots, cap = flex_store
-        flex_tables = block_tables(slots_t, starts_t.to(device), num_new_t.to(device), num_slots, max_q,
-                                   cap // BLOCK)
+        flex_tables = block_tables(slots_t, starts_t, num_new_t, num_slots, max_q, cap // BLOCK)
+    contiguous = slots == list(range(slots[0], slots[0] + batch))
     return StepLayout(
-        slots=slots_t,
-        position_ids=position_ids.to(device), is_valid=is_valid.to(device),
-        token_row=token_row.to(device), token_q=token_q.to(device),
-        kv_len=int((starts_t + num_new_t).max()),
-        slot_range=(slots[0], slots[0] + len(slots)) if contiguous else None,
+        input_ids=input_ids.unsqueeze(0), slots=slots_t, row_ends=ends_t,
+        position_ids=position_ids.view(batch, max_q), is_valid=is_valid.view(batch, max_q).bool(),
+        token_row=token_row, token_q=token_q,
+        kv_len=max(s + n for s, n in zip(starts, num_new)),
+        slot_range=(slots[0], slots[0] + batch) if contiguous else None,
         flex=flex_tables,
     )
 

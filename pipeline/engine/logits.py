@@ -41,27 +41,28 @@ class RowParams:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "RowParams":
-        def col(name, dtype=torch.float32):
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        """One host-to-device copy for every column. top_k travels as float32: exact below 2**24, and
+        any larger value means what it did (more than the vocabulary: off)."""
+        cols = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                              p.presence_penalty, p.frequency_penalty] for p in params],
+                            dtype=torch.float32).to(device).T
         return cls(
-            temperature=col("temperature"), top_k=col("top_k", torch.long), top_p=col("top_p"),
-            min_p=col("min_p"), repetition_penalty=col("repetition_penalty"),
-            presence_penalty=col("presence_penalty"), frequency_penalty=col("frequency_penalty"),
-            is_greedy=col("is_greedy", torch.bool),
+            temperature=cols[0], top_k=cols[1].long(), top_p=cols[2], min_p=cols[3],
+            repetition_penalty=cols[4], presence_penalty=cols[5], frequency_penalty=cols[6],
+            is_greedy=cols[0] == 0,
             has_filters=any(p.has_filters and not p.is_greedy for p in params),
             has_penalties=any(p.has_penalties for p in params),
         )
 
 
 def token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[rows, vocab] float32 counts of each row's token history."""
-    width = max((len(h) for h in histories), default=0)
-    idx = torch.full((len(histories), width + 1), vocab, dtype=torch.long)
-    for r, h in enumerate(histories):
-        idx[r, :len(h)] = torch.tensor(h, dtype=torch.long)
-    counts = torch.zeros(len(histories), vocab + 1, dtype=torch.float32)
-    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
-    return counts[:, :vocab].to(device)
+    """[rows, vocab] float32 counts of each row's token history, counted on the device: only the
+    [rows, longest history] index travels, not a dense [rows, vocab] host tensor."""
+    width = max((len(h) for h in histories), default=0) + 1
+    idx = torch.tensor([h + [vocab] * (width - len(h)) for h in histories], dtype=torch.long).to(device)
+    counts = torch.zeros(len(histories), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
 
 
 def apply_penalties(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor,

@@ -81,14 +81,13 @@ class ModelRunner:
         num_new = [len(t) for t in tokens]
         flex = self.flex == "always" or (self.flex == "cheaper" and
                                          prefer_flex([s + n for s, n in zip(starts, num_new)], self.device))
-        lay = make_layout(slots, starts, num_new, self.device, (self.cache.num_slots, self.cache.max_len) if flex else None)
-        flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long).unsqueeze(0)   # [1, T]
-        ends = torch.tensor(num_new).cumsum(0) - 1                             # packed index of each row's last
+        lay = make_layout(slots, starts, tokens, self.device,
+                          (self.cache.num_slots, self.cache.max_len) if flex else None)
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
         # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
-        keep = 0 if logits == "all" else (ends if logits == "last" else ends[:1]).to(self.device)   # "none": HF needs >= 1
+        keep = 0 if logits == "all" else (lay.row_ends if logits == "last" else lay.row_ends[:1])   # "none": HF needs >= 1
         self.cache.layout = lay
-        out = self.model(input_ids=flat.to(self.device), position_ids=lay.flat_position_ids,
+        out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids,
                          attention_mask=None if flex else attention_mask(lay, self.num_groups, self.dtype),
                          use_cache=True, logits_to_keep=keep, slot_layout=lay,
                          **{self.cache_kwarg: self.cache})
