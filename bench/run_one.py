@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench import hf_baselines
-from pipeline.config import EngineSection, ModelsConfig
+from pipeline.config import EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
 from pipeline.hardware import resolve_dtype
 from pipeline.models import ModelSpec, load_model
@@ -46,7 +46,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     drafter = args.drafter
     models = ModelsConfig(target=target, draft=draft if drafter in ("draft", "hybrid") else None,
                           drafter=drafter, dtype=args.dtype, device=args.device,
-                          draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                          draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                          suffix=SuffixSection(**json.loads(args.suffix)))
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
                             adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile)
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--suffix", default="{}", help='models.suffix fields as JSON, e.g. {"max_spec_factor": 2}')
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", help="auto (this machine decides: pipeline/hardware.py) "
                     "| float32 | bfloat16 | float16")

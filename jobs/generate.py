@@ -32,26 +32,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from pipeline.cluster.driver import Interrupted, JobFailed, RunBusy, StopRequest, run_job
-    from pipeline.io.reader import InputError
-    from pipeline.io.writer import OutputError
+    from pipeline.cli import run_job_guarded
+    from pipeline.cluster.driver import run_job
     from pipeline.report import print_summary
-    stop = StopRequest()
-    stop.install()
-    try:
-        summary = run_job(cfg, stop)
-    except (InputError, OutputError) as e:
-        print(f"input/output error: {e}", file=sys.stderr)
-        return 2
-    except RunBusy as e:
-        print(f"not started: {e}", file=sys.stderr)
-        return 3
-    except JobFailed as e:
-        print(f"job failed: {e}\nthe committed units stay; rerun the same command to resume", file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        print(f"{e}; uncommitted units left nothing visible.\nresume with: {resume_command(argv)}", file=sys.stderr)
-        return 128 + e.signum
+    code, summary = run_job_guarded(lambda stop: run_job(cfg, stop), f"resume with: {resume_command(argv)}")
+    if code:
+        return code
     print_summary(summary, show=args.show, storage=cfg.storage)
     return 0
 

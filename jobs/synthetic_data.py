@@ -49,24 +49,12 @@ def main(argv=None) -> int:
 
 
 def run(plan, show: int) -> int:
-    from pipeline.cluster.driver import Interrupted, JobFailed, StopRequest
-    from pipeline.io.reader import InputError
-    from pipeline.io.writer import OutputError
+    from pipeline.cli import run_job_guarded
     from pipeline.report import print_summary
     from pipeline.synthetic import run_slot
-    stop = StopRequest()
-    stop.install()
-    try:
-        result = run_slot(plan, stop)
-    except (InputError, OutputError) as e:
-        print(f"input/output error: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"job failed: {e}\nthe committed units stay; rerun the same command to resume", file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        print(f"{e}; uncommitted units left nothing visible; rerun the same command to resume", file=sys.stderr)
-        return 128 + e.signum
+    code, result = run_job_guarded(lambda stop: run_slot(plan, stop), "rerun the same command to resume")
+    if code:
+        return code
     if result.summary is not None:
         print_summary(result.summary, show=show, storage=plan.job.storage)
         q, s = result.slot_summary["quality"], result.slot_summary

@@ -13,9 +13,11 @@ Definitions (every function takes `by`, a list of grouping columns; none = one g
     engine_s               speculative step time: draft_s + verify_s of every distinct engine step
                            (worker, step) in which the group had a round; prefill outside rounds and
                            scheduling are not counted. Steps are shared by all sequences of a batch,
-                           so groups that ran together each count the whole step. A run resumed by
-                           a new driver restarts worker names and step counters, so its steps can
-                           share a (worker, step) key with the first driver's and count once.
+                           so groups that ran together each count the whole step. A step is
+                           (worker, step, draft_s, verify_s): a run resumed by a new driver restarts
+                           worker names and step counters, and the step's own timings tell its
+                           steps from the first driver's (equal float timings are not a collision
+                           that happens).
     tokens_per_s           tokens / engine_s (throughput of the engines while they decoded the group)
     per position i (1-based, over rounds that drafted >= 1 token, vLLM's `num_drafts`):
       unconditional        P(accepted >= i) = #rounds with accepted >= i / #rounds that drafted,
@@ -32,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 ALL = "all"
+STEP = ["worker", "step", "draft_s", "verify_s"]   # one engine step (see engine_s above)
 
 
 def grouped(df: pd.DataFrame, by) -> tuple[pd.DataFrame, list[str]]:
@@ -48,7 +51,7 @@ def grouped(df: pd.DataFrame, by) -> tuple[pd.DataFrame, list[str]]:
 def engine_seconds(rounds: pd.DataFrame, by) -> pd.Series:
     """Per group: draft_s + verify_s summed over the distinct (worker, step) steps it had rounds in."""
     df, keys = grouped(rounds, by)
-    steps = df.drop_duplicates(keys + ["worker", "step"])
+    steps = df.drop_duplicates(keys + STEP)
     return (steps["draft_s"] + steps["verify_s"]).groupby([steps[k] for k in keys]).sum()
 
 
@@ -141,11 +144,12 @@ def tokens_per_s_over_time(rounds: pd.DataFrame, bins: int = 20, by=()) -> pd.Da
     df, keys = grouped(rounds, by)
     parts = []
     for key, g in df.groupby(keys + ["worker"]):
-        per_step = g.groupby("step").agg(tokens=("emitted", "sum"), s=("draft_s", "first"), v=("verify_s", "first"))
-        end = (per_step["s"] + per_step["v"]).cumsum().to_numpy()
+        per_step = g.groupby(STEP[1:]).agg(tokens=("emitted", "sum")).reset_index()
+        duration = (per_step["draft_s"] + per_step["verify_s"]).to_numpy()
+        end = duration.cumsum()
         if end.size == 0 or end[-1] <= 0:
             continue
-        start = end - (per_step["s"] + per_step["v"]).to_numpy()
+        start = end - duration
         edges = np.linspace(0.0, end[-1], bins + 1)
         # each step's tokens spread evenly over its [start, end) interval, then summed per bin
         overlap = np.clip(np.minimum(end[:, None], edges[None, 1:]) - np.maximum(start[:, None], edges[None, :-1]),

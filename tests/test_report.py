@@ -86,6 +86,19 @@ def test_summary_by_group_and_overall():
     assert st.counts(c, "finish_reason").loc["all", "length"] == 2
 
 
+def test_a_resumed_run_counts_both_drivers_steps():
+    """A second driver restarts worker names and step counters: its steps 0..2 on w0 are other steps
+    than the first driver's, told apart by their timings."""
+    first = _rounds()
+    second = [dict(r, id="r" + r["id"], unit="u1", draft_s=2 * r["draft_s"], verify_s=2 * r["verify_s"])
+              for r in _rounds()]
+    rounds = pd.DataFrame(first + second)
+    s = st.summary(pd.DataFrame(_completions(first) + _completions(second)), rounds, _frames()[2]).loc["all"]
+    assert s["engine_s"] == pytest.approx(1.1 + 2.2) and s["tokens_per_s"] == pytest.approx(22 / 3.3)
+    over_time = st.tokens_per_s_over_time(rounds, bins=1)
+    assert over_time["tokens"].sum() == pytest.approx(22) and over_time["tokens_per_s"].iloc[0] == pytest.approx(22 / 3.3)
+
+
 def test_plot_data_is_what_the_tables_say():
     _, r, _ = _frames()
     d = report_plots.plot_data(r, bins=2)

@@ -1,0 +1,70 @@
+"""Free drafters replayed offline on recorded greedy outputs: tokens per round and acceptance for any
+drafter setting in seconds, no model run.
+
+    .venv/bin/python -m bench.drafter_sim --run bench/out/v2/drafters/grounded_none_b4.json \
+        --prompts bench/out/v2/drafters/prompts_grounded_12.json --batch 4 \
+        --suffix '{}' --suffix '{"max_spec_factor": 2}' --ngram
+
+Greedy output does not depend on the drafts (the engine's exactness), so a round is replayed exactly:
+the drafter proposes up to g tokens after the committed history, the accepted ones are the longest
+prefix equal to the recorded continuation, plus one token from the target. The one approximation
+is the worker-wide suffix cache: sequence i joins it when sequence i + batch starts (the order of a
+continuous batch of `batch` sequences whose lengths are alike). Tokens per round is what the
+drafter buys; what a round costs is the engine bench's to measure (drafted tokens/round says how
+much more the verify forward carries).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipeline.engine.drafters import NgramDrafter
+from pipeline.engine.request import SamplingParams, Sequence
+from pipeline.engine.suffix import SuffixDrafter, SuffixParams
+
+
+def replay(drafter, prompts: list[list[int]], outputs: list[list[int]], batch: int, g: int) -> dict:
+    rounds = drafted = accepted = 0
+    seqs = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if i >= batch and isinstance(drafter, SuffixDrafter):
+            drafter.release(seqs[i - batch])
+        seq = Sequence(f"s{i}", list(prompt), SamplingParams(max_tokens=len(out)), seed=0)
+        seqs.append(seq)
+        while len(seq.output_ids) < len(out):
+            pos = len(seq.output_ids)
+            left = len(out) - pos
+            draft = drafter.lookup(seq, min(g, left - 1)) if left > 1 else []
+            n = 0
+            while n < len(draft) and draft[n] == out[pos + n]:
+                n += 1
+            seq.output_ids.extend(out[pos:pos + n + 1])
+            if isinstance(drafter, SuffixDrafter):
+                drafter.on_commit([seq])
+            rounds, drafted, accepted = rounds + 1, drafted + len(draft), accepted + n
+    emitted = sum(len(o) for o in outputs)
+    return {"tokens_per_round": emitted / rounds, "drafted_per_round": drafted / rounds,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True, help="a bench.run_one result of a greedy run (its outputs)")
+    ap.add_argument("--prompts", required=True, help="the prompt ids that run used")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--g", type=int, default=4, help="draft tokens per round at most")
+    ap.add_argument("--ngram", action="store_true", help="also the n-gram drafter (2..4)")
+    ap.add_argument("--suffix", action="append", default=[], help="SuffixParams fields as JSON; repeatable")
+    args = ap.parse_args()
+    outputs = json.load(open(args.run))["outputs"]
+    prompts = json.load(open(args.prompts))[:len(outputs)]
+    drafters = [("ngram", NgramDrafter(2, 4))] if args.ngram else []
+    drafters += [(f"suffix {s}", SuffixDrafter(SuffixParams(**json.loads(s)))) for s in args.suffix]
+    for name, drafter in drafters:
+        res = replay(drafter, prompts, outputs, args.batch, args.g)
+        print(f"{name:50s} tokens/round {res['tokens_per_round']:.3f}  drafted/round "
+              f"{res['drafted_per_round']:.2f}  acceptance {res['acceptance'] or 0:.3f}")
+
+
+if __name__ == "__main__":
+    main()
