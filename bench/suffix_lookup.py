@@ -8,14 +8,24 @@ sequences are released into the index and replaced. Reports microseconds per seq
 (propose + on_commit + release, amortised) and the accepted length.
 
     .venv/bin/python -m bench.suffix_lookup [--batch 32] [--cached 300] [--rounds 200]
+
+Memory of the worker-wide index under a long job (--memory): real token text (the bench's prompt
+file, sequence after sequence, as many passes as it takes) flows through a SuffixCache of each
+--caps size, so it fills and then evicts; reports nodes and the bytes Python allocated for the trie
+(tracemalloc) once full, and after 3x the cap has passed through (bounded: the same).
+
+    .venv/bin/python -m bench.suffix_lookup --memory --caps 8192,32768,131072
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
+import tracemalloc
 
 from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
+from pipeline.engine.suffix import SuffixCache
 from pipeline.engine.request import Sequence
 
 VOCAB = 49152
@@ -71,6 +81,24 @@ def run(batch: int, cached: int, rounds: int, g: int, out_len: int, seed: int = 
             "cached_tokens": drafter.cache.num_tokens, "cache_nodes": drafter.cache.trie.num_nodes}
 
 
+def memory(cap: int, texts: list[list[int]], max_depth: int = 16) -> dict:
+    """Fill a SuffixCache of `cap` tokens from `texts` (cycled), then stream 3x the cap through it."""
+    tracemalloc.start()
+    cache = SuffixCache(max_depth, cap)
+    passed, i, out = 0, 0, {"cap_tokens": cap}
+    while passed < 4 * cap:
+        text = texts[i % len(texts)]
+        cache.add(text)
+        passed, i = passed + len(text), i + 1
+        if "full_nodes" not in out and passed >= cap:
+            out.update(full_nodes=cache.trie.num_nodes, full_mb=tracemalloc.get_traced_memory()[0] / 2**20)
+    out.update(after_4x_nodes=cache.trie.num_nodes, after_4x_mb=tracemalloc.get_traced_memory()[0] / 2**20,
+               peak_mb=tracemalloc.get_traced_memory()[1] / 2**20, held_tokens=cache.num_tokens,
+               nodes_per_token=cache.trie.num_nodes / max(cache.num_tokens, 1))
+    tracemalloc.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -78,7 +106,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--memory", action="store_true", help="the index's memory under a long job instead")
+    ap.add_argument("--caps", default="8192,32768,131072")
+    ap.add_argument("--texts", default="bench/out/prompts_smollm2_256.json")
     args = ap.parse_args()
+    if args.memory:
+        texts = json.load(open(args.texts))
+        for cap in map(int, args.caps.split(",")):
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in memory(cap, texts).items()}))
+        return
     print(run(args.batch, args.cached, args.rounds, args.g, args.out_len))
 
 
