@@ -7,7 +7,10 @@ drafter setting in seconds, no model run.
 
 Greedy output does not depend on the drafts (the engine's exactness), so a round is replayed exactly:
 the drafter proposes up to g tokens after the committed history, the accepted ones are the longest
-prefix equal to the recorded continuation, plus one token from the target. The one approximation
+prefix equal to the recorded continuation, plus one token from the target. On sampled output the
+replay is exact in distribution for token-only drafts: a draft token x is accepted with probability
+p(x), the probability that the recorded sample is x; so drafters compared on the same recorded
+samples are compared paired, without the sample-to-sample spread of separate runs. The one approximation
 is the worker-wide suffix cache: sequence i joins it when sequence i + batch starts (the order of a
 continuous batch of `batch` sequences whose lengths are alike). Tokens per round is what the
 drafter buys; what a round costs is the engine bench's to measure (drafted tokens/round says how
@@ -49,7 +52,7 @@ def replay(drafter, prompts: list[list[int]], outputs: list[list[int]], batch: i
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", required=True, help="a bench.run_one result of a greedy run (its outputs)")
+    ap.add_argument("--run", required=True, help="a bench.run_one result (its outputs)")
     ap.add_argument("--prompts", required=True, help="the prompt ids that run used")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--g", type=int, default=4, help="draft tokens per round at most")
