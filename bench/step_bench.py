@@ -35,9 +35,10 @@ WORKLOADS = {
 }
 
 
-def time_step(runner: ModelRunner, contexts: list[int], q: int, repeats: int) -> list[float]:
+def time_step(runner: ModelRunner, contexts: list[int], q: int, repeats: int, first_q: int | None = None) -> list[float]:
     slots = list(range(len(contexts)))
-    tokens = [[(7 * b + j) % 1000 + 10 for j in range(q)] for b in range(len(contexts))]
+    qs = [first_q or q] + [q] * (len(contexts) - 1)
+    tokens = [[(7 * b + j) % 1000 + 10 for j in range(qs[b])] for b in range(len(contexts))]
     times = []
     for i in range(repeats + 2):
         runner.synchronize()
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--q", type=int, default=5, help="tokens per row (g + 1)")
+    ap.add_argument("--first-q", type=int, default=None, help="tokens of the first row only (one row drafts, "
+                                                                "as in an adaptive step where the rest run g = 0)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--modes", default="off,on,auto")
@@ -77,10 +80,11 @@ def main() -> None:
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]
             t_first = time.perf_counter()
-            times = time_step(runner, contexts, args.q, args.repeats)
+            times = time_step(runner, contexts, args.q, args.repeats, args.first_q)
             med = statistics.median(times)
             medians[name] = med
-            rate = f"  {len(contexts) * args.q / med:7.1f} tok/s" if args.sweep else ""
+            tokens = len(contexts) * args.q + (args.first_q - args.q if args.first_q else 0)
+            rate = f"  {tokens / med:7.1f} tok/s" if args.sweep else ""
             print(f"compile={mode:3s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
                   f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
                   f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s){rate}")
