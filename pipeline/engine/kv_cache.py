@@ -32,6 +32,21 @@ ATTENTION_NAME = "specpipe_slot"
 
 
 @dataclass
+class SplitRows:
+    """Padded attention split in two (slot_attention): every row's first new token over the batch's
+    keys, then the other tokens of the few rows that have more ([multi, max_q - 1] padded) over
+    those rows' keys only. A step where most sequences run g = 0 and a few draft then costs what its
+    tokens cost, not every row padded to the longest draft (measured: one drafting row of 5 tokens
+    among 47 of 1 made the padded step 22% slower, bench/step_bench.py --first-q 5)."""
+    row_starts: torch.Tensor   # [batch] packed index of each row's first token
+    multi: torch.Tensor        # [multi] rows with more than one new token
+    rest_tokens: torch.Tensor  # [rest] packed index of each token past its row's first
+    rest_row: torch.Tensor     # [rest] its row's index in `multi`
+    rest_q: torch.Tensor       # [rest] its index within the row, minus one
+    kv_len: int                # keys read by the multi rows: max over them of start + num_new
+
+
+@dataclass
 class StepLayout:
     """Where one forward's tokens go. The model sees them packed flat ([1, num_tokens]: no padding in
     the projections and MLPs); attention unpacks them into padded [batch, max_q] rows. Every tensor
@@ -47,6 +62,8 @@ class StepLayout:
     slot_range: tuple[int, int] | None  # (lo, hi) when slots == arange(lo, hi): read a view, not a gather
     flex: tuple[torch.Tensor, ...] | None = None  # block tables (flex.block_tables): attention over the
                                                   # whole store, each row reading its own blocks only
+    split: SplitRows | None = None  # the padded path's split when few rows have more than one token
+    rest_mask: torch.Tensor | None = None  # the split's second mask (attention_masks), set by the runner
 
     @property
     def token_slot(self) -> torch.Tensor:               # [num_tokens] slot of each packed token
@@ -69,14 +86,22 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
     for n in num_new:
         end += n
         ends.append(end)
+    multi = [b for b, n in enumerate(num_new) if n > 1]
+    split = flex_store is None and multi and 2 * len(multi) <= batch       # see SplitRows
+    split_ids = ([e - n + 1 for e, n in zip(ends, num_new)] + multi
+                 + [e - n + 1 + q for m in multi for e, n in [(ends[m], num_new[m])] for q in range(1, n)]
+                 + [i for i, m in enumerate(multi) for _ in range(1, num_new[m])]
+                 + [q - 1 for m in multi for q in range(1, num_new[m])]) if split else []
     host = torch.tensor(
         [t for row in tokens for t in row] + slots + starts + num_new + ends
         + [s + min(q, n - 1) for s, n in zip(starts, num_new) for q in range(max_q)]
         + [int(q < n) for n in num_new for q in range(max_q)]
         + [r for r, n in enumerate(num_new) for _ in range(n)]
-        + [q for n in num_new for q in range(n)], dtype=torch.long)
-    (input_ids, slots_t, starts_t, num_new_t, ends_t, position_ids, is_valid, token_row,
-     token_q) = host.to(device).split([num_tokens] + [batch] * 4 + [batch * max_q] * 2 + [num_tokens] * 2)
+        + [q for n in num_new for q in range(n)] + split_ids, dtype=torch.long)
+    rest = num_tokens - batch
+    (input_ids, slots_t, starts_t, num_new_t, ends_t, position_ids, is_valid, token_row, token_q,
+     *split_t) = host.to(device).split([num_tokens] + [batch] * 4 + [batch * max_q] * 2 + [num_tokens] * 2
+                                       + ([batch, len(multi)] + [rest] * 3 if split else []))
     flex_tables = None
     if flex_store is not None:
         num_slots, cap = flex_store
@@ -89,22 +114,35 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
         kv_len=max(s + n for s, n in zip(starts, num_new)),
         slot_range=(slots[0], slots[0] + batch) if contiguous else None,
         flex=flex_tables,
+        split=SplitRows(*split_t, kv_len=max(starts[m] + num_new[m] for m in multi)) if split else None,
     )
 
 
-def attention_mask(layout: StepLayout, num_groups: int, dtype: torch.dtype,
-                   sliding_window: int | None = None) -> torch.Tensor:
-    """Additive mask [batch, 1, num_groups * max_q, kv_len]: row (b, q) sees keys 0..position(b, q).
-    Query heads that share a KV head are folded into the query axis (see slot_attention)."""
-    keys = torch.arange(layout.kv_len, device=layout.position_ids.device)     # [kv_len]
-    pos = layout.position_ids.unsqueeze(-1)                                    # [batch, max_q, 1]
-    allowed = keys <= pos                                                      # [batch, max_q, kv_len]
+def attention_masks(layout: StepLayout, num_groups: int, dtype: torch.dtype,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The padded path's additive masks: (the one transformers hands every layer as attention_mask,
+    the split's second or None). Row (b, q) sees keys 0..position(b, q); query heads sharing a KV head
+    are folded into the query axis (see slot_attention). Unsplit: [batch, 1, num_groups * max_q,
+    kv_len]. Split: [batch, 1, num_groups, kv_len] for every row's first token, and [multi, 1,
+    num_groups * (max_q - 1), split.kv_len] for the rest."""
+    split = layout.split
+    if split is None:
+        return _mask(layout.position_ids, layout.kv_len, num_groups, dtype, sliding_window), None
+    return (_mask(layout.position_ids[:, :1], layout.kv_len, num_groups, dtype, sliding_window),
+            _mask(layout.position_ids[split.multi, 1:], split.kv_len, num_groups, dtype, sliding_window))
+
+
+def _mask(position_ids: torch.Tensor, kv_len: int, num_groups: int, dtype: torch.dtype,
+          sliding_window: int | None) -> torch.Tensor:
+    keys = torch.arange(kv_len, device=position_ids.device)                    # [kv_len]
+    pos = position_ids.unsqueeze(-1)                                           # [rows, q, 1]
+    allowed = keys <= pos                                                      # [rows, q, kv_len]
     if sliding_window is not None:
         allowed &= keys > pos - sliding_window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    batch, max_q, kv_len = mask.shape
-    return mask.unsqueeze(1).expand(batch, num_groups, max_q, kv_len).reshape(batch, 1, num_groups * max_q, kv_len)
+    rows, q, _ = mask.shape
+    return mask.unsqueeze(1).expand(rows, num_groups, q, kv_len).reshape(rows, 1, num_groups * q, kv_len)
 
 
 class SlotKVCache(Cache):
@@ -162,7 +200,7 @@ class SlotKVCache(Cache):
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over the slot store. query packed [1, heads, num_tokens, head_dim]; key/value
-    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_mask()` above. Returns the
+    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_masks()` above (the split's second in layout.rest_mask). Returns the
     packed output [1, num_tokens, heads, head_dim].
     Calls without `slot_layout` (e.g. HF `generate` on the same model) fall through to SDPA."""
     lay = kwargs.get("slot_layout")
@@ -172,16 +210,40 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     batch, max_q = lay.is_valid.shape
     if lay.flex is not None:
         return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling), None
-    _, num_heads, _, head_dim = query.shape
+    if lay.split is not None:
+        return _split_attention(query, key, value, (attention_mask, lay.rest_mask), lay.split, max_q, scaling), None
+    return _padded_attention(query[0].transpose(0, 1), key, value, attention_mask, lay.token_row, lay.token_q,
+                             batch, max_q, scaling).unsqueeze(0), None       # [1, num_tokens, heads, dim]
+
+
+def _padded_attention(tokens, key, value, mask, rows, qs, batch: int, max_q: int, scaling) -> torch.Tensor:
+    """tokens [n, heads, dim], token i being query qs[i] of row rows[i] of a [batch, max_q] padded
+    block; key/value [batch, kv_heads, kv_len, dim]. Returns [n, heads, dim]."""
+    _, num_heads, head_dim = tokens.shape
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
-    padded = query.new_zeros(batch, max_q, num_heads, head_dim)                 # unpack into rows
-    padded[lay.token_row, lay.token_q] = query[0].transpose(0, 1)
+    padded = tokens.new_zeros(batch, max_q, num_heads, head_dim)                # unpack into rows
+    padded[rows, qs] = tokens
     # Fold the query heads sharing a KV head into the query axis: no K/V repeat (CPU SDPA ignores enable_gqa).
     q = padded.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, groups * max_q, head_dim)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     out = out.reshape(batch, num_heads, max_q, head_dim).permute(0, 2, 1, 3)  # [batch, max_q, heads, dim]
-    return out[lay.token_row, lay.token_q].unsqueeze(0), None                # [1, num_tokens, heads, dim]
+    return out[rows, qs]
+
+
+def _split_attention(query, key, value, masks, split: SplitRows, max_q: int, scaling) -> torch.Tensor:
+    """SplitRows' two padded attentions: [batch, 1] first tokens over every row's keys (the cache's
+    view when slots are contiguous), [multi, max_q - 1] other tokens over the multi rows' keys only."""
+    tokens = query[0].transpose(0, 1)                                          # [num_tokens, heads, dim]
+    batch, multi = split.row_starts.shape[0], split.multi.shape[0]
+    out = torch.empty_like(tokens)
+    zeros = torch.zeros_like(split.row_starts)
+    out[split.row_starts] = _padded_attention(tokens[split.row_starts], key, value, masks[0],
+                                              torch.arange(batch, device=tokens.device), zeros, batch, 1, scaling)
+    out[split.rest_tokens] = _padded_attention(tokens[split.rest_tokens], key[split.multi, :, :split.kv_len],
+                                               value[split.multi, :, :split.kv_len], masks[1], split.rest_row,
+                                               split.rest_q, multi, max_q - 1, scaling)
+    return out.unsqueeze(0)                                                    # [1, num_tokens, heads, dim]
 
 
 def register_attention() -> None:

@@ -15,7 +15,7 @@ import torch
 
 from .cpu_linear import can_pack, pack_linears
 from .flex import capacity, flex_unavailable, prefer_flex
-from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_mask, make_layout, register_attention
+from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
 
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -86,9 +86,11 @@ class ModelRunner:
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
         # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
         keep = 0 if logits == "all" else (lay.row_ends if logits == "last" else lay.row_ends[:1])   # "none": HF needs >= 1
+        mask = None
+        if not flex:
+            mask, lay.rest_mask = attention_masks(lay, self.num_groups, self.dtype)
         self.cache.layout = lay
-        out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids,
-                         attention_mask=None if flex else attention_mask(lay, self.num_groups, self.dtype),
+        out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids, attention_mask=mask,
                          use_cache=True, logits_to_keep=keep, slot_layout=lay,
                          **{self.cache_kwarg: self.cache})
         self.cache.layout = None
