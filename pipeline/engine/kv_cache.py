@@ -200,8 +200,8 @@ class SlotKVCache(Cache):
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over the slot store. query packed [1, heads, num_tokens, head_dim]; key/value
-    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_masks()` above (the split's second in layout.rest_mask). Returns the
-    packed output [1, num_tokens, heads, head_dim].
+    [batch, kv_heads, kv_len, head_dim]; attention_mask from `attention_masks()` above (the split's
+    second in layout.rest_mask). Returns the packed output [1, num_tokens, heads, head_dim].
     Calls without `slot_layout` (e.g. HF `generate` on the same model) fall through to SDPA."""
     lay = kwargs.get("slot_layout")
     if lay is None:
@@ -212,37 +212,35 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling), None
     if lay.split is not None:
         return _split_attention(query, key, value, (attention_mask, lay.rest_mask), lay.split, max_q, scaling), None
-    return _padded_attention(query[0].transpose(0, 1), key, value, attention_mask, lay.token_row, lay.token_q,
-                             batch, max_q, scaling).unsqueeze(0), None       # [1, num_tokens, heads, dim]
+    tokens = query[0].transpose(0, 1)                                          # [num_tokens, heads, dim]
+    padded = tokens.new_zeros(batch, max_q, *tokens.shape[1:])                 # unpack into rows
+    padded[lay.token_row, lay.token_q] = tokens
+    out = _attend_rows(padded, key, value, attention_mask, scaling)
+    return out[lay.token_row, lay.token_q].unsqueeze(0), None                # [1, num_tokens, heads, dim]
 
 
-def _padded_attention(tokens, key, value, mask, rows, qs, batch: int, max_q: int, scaling) -> torch.Tensor:
-    """tokens [n, heads, dim], token i being query qs[i] of row rows[i] of a [batch, max_q] padded
-    block; key/value [batch, kv_heads, kv_len, dim]. Returns [n, heads, dim]."""
-    _, num_heads, head_dim = tokens.shape
+def _attend_rows(padded: torch.Tensor, key, value, mask, scaling) -> torch.Tensor:
+    """Masked attention for padded query rows [rows, q, heads, dim] over key/value [rows, kv_heads,
+    kv_len, dim]. Returns [rows, q, heads, dim]."""
+    rows, q_len, num_heads, head_dim = padded.shape
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
-    padded = tokens.new_zeros(batch, max_q, num_heads, head_dim)                # unpack into rows
-    padded[rows, qs] = tokens
     # Fold the query heads sharing a KV head into the query axis: no K/V repeat (CPU SDPA ignores enable_gqa).
-    q = padded.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, groups * max_q, head_dim)
+    q = padded.permute(0, 2, 1, 3).reshape(rows, num_kv_heads, groups * q_len, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    out = out.reshape(batch, num_heads, max_q, head_dim).permute(0, 2, 1, 3)  # [batch, max_q, heads, dim]
-    return out[rows, qs]
+    return out.reshape(rows, num_heads, q_len, head_dim).permute(0, 2, 1, 3)
 
 
 def _split_attention(query, key, value, masks, split: SplitRows, max_q: int, scaling) -> torch.Tensor:
     """SplitRows' two padded attentions: [batch, 1] first tokens over every row's keys (the cache's
     view when slots are contiguous), [multi, max_q - 1] other tokens over the multi rows' keys only."""
     tokens = query[0].transpose(0, 1)                                          # [num_tokens, heads, dim]
-    batch, multi = split.row_starts.shape[0], split.multi.shape[0]
     out = torch.empty_like(tokens)
-    zeros = torch.zeros_like(split.row_starts)
-    out[split.row_starts] = _padded_attention(tokens[split.row_starts], key, value, masks[0],
-                                              torch.arange(batch, device=tokens.device), zeros, batch, 1, scaling)
-    out[split.rest_tokens] = _padded_attention(tokens[split.rest_tokens], key[split.multi, :, :split.kv_len],
-                                               value[split.multi, :, :split.kv_len], masks[1], split.rest_row,
-                                               split.rest_q, multi, max_q - 1, scaling)
+    out[split.row_starts] = _attend_rows(tokens[split.row_starts].unsqueeze(1), key, value, masks[0], scaling)[:, 0]
+    rest = tokens.new_zeros(split.multi.shape[0], max_q - 1, *tokens.shape[1:])
+    rest[split.rest_row, split.rest_q] = tokens[split.rest_tokens]
+    out[split.rest_tokens] = _attend_rows(rest, key[split.multi, :, :split.kv_len], value[split.multi, :, :split.kv_len],
+                                          masks[1], scaling)[split.rest_row, split.rest_q]
     return out.unsqueeze(0)                                                    # [1, num_tokens, heads, dim]
 
 
