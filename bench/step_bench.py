@@ -1,5 +1,5 @@
-"""Micro-benchmark: one verify-shaped target forward (rows x tokens per row) over the slot store, eager
-(padded SDPA) against compiled FlexAttention, at chosen context lengths per row.
+"""Micro-benchmark: one verify-shaped target forward (rows x tokens per row) over the slot store: our CPU
+kernel (cpu), eager padded SDPA (off), compiled FlexAttention (on, auto), at chosen context lengths per row.
 
     .venv/bin/python -m bench.step_bench --threads 1 --repeats 7
 
@@ -61,7 +61,8 @@ def main() -> None:
                                                                 "as in an adaptive step where the rest run g = 0)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--modes", default="off,on,auto")
+    ap.add_argument("--modes", default="cpu,off,on,auto",
+                    help="cpu: our CPU kernel (engine.cpu_attention); off/on/auto: engine.compile with it off")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--sweep", default="", help="comma-separated row counts (see the docstring)")
     args = ap.parse_args()
@@ -75,7 +76,8 @@ def main() -> None:
         model, _ = load_model(ModelSpec(args.model, args.dtype, args.device))
         t0 = time.perf_counter()
         runner = ModelRunner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
-                             args.max_model_len, compile=mode)
+                             args.max_model_len, compile="off" if mode == "cpu" else mode,
+                             cpu_kernel="on" if mode == "cpu" else "off")
         medians = {}
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]
@@ -85,13 +87,13 @@ def main() -> None:
             medians[name] = med
             tokens = len(contexts) * args.q + (args.first_q - args.q if args.first_q else 0)
             rate = f"  {tokens / med:7.1f} tok/s" if args.sweep else ""
-            print(f"compile={mode:3s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
+            print(f"mode={mode:4s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
                   f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
                   f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s){rate}")
         if "mixed" in medians and "uniform" in medians:
-            print(f"compile={mode}: mixed / uniform step time = {medians['mixed'] / medians['uniform']:.2f}x")
+            print(f"mode={mode}: mixed / uniform step time = {medians['mixed'] / medians['uniform']:.2f}x")
         del runner, model
-        print(f"compile={mode}: total {time.perf_counter() - t0:.1f} s")
+        print(f"mode={mode}: total {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -120,10 +120,14 @@ class EngineSection:
     compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
                                     # own KV blocks (auto: where inductor can compile, on steps where that
                                     # beats padding every row to the longest; on: every step; off: eager)
+    cpu_attention: str = "auto"     # auto | on | off: attention on CPU by our C kernel, each row its own keys
+                                    # (pipeline/engine/cpu_attention.py; fp32, built at first use with
+                                    # the system C compiler; auto: where it builds, else torch's kernels)
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
         self.compile = {"True": "on", "False": "off"}.get(self.compile, self.compile)
+        self.cpu_attention = {"True": "on", "False": "off"}.get(self.cpu_attention, self.cpu_attention)
         try:
             self.to_engine_config()
         except ValueError as e:
@@ -336,7 +340,8 @@ def hashed_tree(cfg: JobConfig) -> dict:
         tree.pop(key)
     for key in ("progress", "metrics", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
-    tree["engine"].pop("compile")                     # the attention kernel: same distribution either way
+    tree["engine"].pop("compile")                     # the attention kernels: same distribution either way
+    tree["engine"].pop("cpu_attention")
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")
     models = tree["models"]                           # likewise for runs without the suffix drafter

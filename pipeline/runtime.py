@@ -44,13 +44,15 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, max_len)
-        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile),
+        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear,
+                                                engine_cfg.compile, engine_cfg.cpu_attention),
                                     models.draft_sample_method)
         draft_id = model_id(dspec)
     if models.drafter in ("ngram", "suffix", "hybrid"):
         free = free_drafter(models, models.hybrid_proposer if models.drafter == "hybrid" else models.drafter)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile), drafter,
+    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
+                                    engine_cfg.cpu_attention), drafter,
                         engine_cfg.to_engine_config(), eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype)

@@ -55,9 +55,9 @@ def models():
     return target, noisy_copy(target, noise=0.15, seed=6)
 
 
-CASES = {      # name: (drafter, params[, engine.compile])
+CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel unless "flex"
     "draft-prob": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
-    "draft-prob-flex": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0), "on"),
+    "draft-prob-flex": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0), "flex"),
     "draft-greedy+filters": ("draft-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.8, top_k=6, top_p=0.95)),
     "ngram": ("ngram", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
     # Drafts come from the worker-wide index once the first wave of 256 has finished: the later
@@ -70,8 +70,10 @@ CASES = {      # name: (drafter, params[, engine.compile])
 @pytest.mark.parametrize("case", list(CASES))
 def test_continuations_match_exact_target(models, case):
     target, draft = models
-    kind, params, *compile = CASES[case]
-    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, compile=(compile or ["off"])[0])
+    kind, params, *attention = CASES[case]
+    flex = attention == ["flex"]
+    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2,
+                         compile="on" if flex else "off", cpu_attention="off" if flex else "on")
     for i in range(N):
         engine.add_request(f"r{i}", PROMPT, params, seed=11)
     counts: dict[tuple, int] = {}

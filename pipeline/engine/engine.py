@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from .adaptive import AdaptiveDraftLength, CostModel
+from .cpu_attention import MODES as CPU_ATTENTION_MODES
 from .drafters import DraftBatch, Drafter, NoDrafter
 from .logits import row_probs
 from .prefill import forward_history
@@ -46,6 +47,8 @@ class EngineConfig:
     compile: str = "auto"            # compiled FlexAttention over the slot store (flex.py): auto (where
                                      # inductor can compile, on steps where it is the cheaper kernel) |
                                      # on (every step) | off (eager padded SDPA)
+    cpu_attention: str = "auto"      # attention on CPU by our C kernel (cpu_attention.py), each row its own keys:
+                                     # auto (where it builds, fp32) | on (raise where not) | off (torch)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -55,6 +58,9 @@ class EngineConfig:
                 raise ValueError(f"engine.{name}: expected an integer >= {low}, got {value!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"engine.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.cpu_attention not in CPU_ATTENTION_MODES:
+            raise ValueError(f"engine.cpu_attention: expected one of {CPU_ATTENTION_MODES}, "
+                             f"got {self.cpu_attention!r}")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .cpu_attention import CpuAttention
 from .flex import BLOCK, block_tables, slot_flex_attention
 
 ATTENTION_NAME = "specpipe_slot"
@@ -53,6 +54,7 @@ class StepLayout:
     is a view of one buffer copied to the device once per forward (make_layout)."""
     input_ids: torch.Tensor    # [1, num_tokens] int64 the tokens, packed row after row
     slots: torch.Tensor        # [batch] int64 slot of each row
+    row_table: torch.Tensor    # [4, batch] int64 slot, start, number of new tokens, first packed token
     row_ends: torch.Tensor     # [batch] int64 packed index of each row's last token
     position_ids: torch.Tensor  # [batch, max_q] int64 RoPE positions (padding repeats the last real one)
     is_valid: torch.Tensor     # [batch, max_q] bool real token (not padding)
@@ -64,6 +66,8 @@ class StepLayout:
                                                   # whole store, each row reading its own blocks only
     split: SplitRows | None = None  # the padded path's split when few rows have more than one token
     rest_mask: torch.Tensor | None = None  # the split's second mask (attention_masks), set by the runner
+    cpu_kernel: CpuAttention | None = None  # the CPU kernel (cpu_attention.py) reads the whole store,
+                                            # each row its own keys: no padding, no mask, no split
 
     @property
     def token_slot(self) -> torch.Tensor:               # [num_tokens] slot of each packed token
@@ -75,11 +79,12 @@ class StepLayout:
 
 
 def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], device: torch.device,
-                flex_store: tuple[int, int] | None = None) -> StepLayout:
+                flex_store: tuple[int, int] | None = None, cpu_kernel: CpuAttention | None = None) -> StepLayout:
     """The layout for rows of new tokens tokens[b] at positions starts[b]... in slots[b], built on
     the host as plain ints and copied to the device in one transfer (a GPU step is otherwise a string
     of tiny copies). flex_store: (num_slots, capacity) of the store when attention takes the
-    FlexAttention path (its block tables are then built on the device, flex.block_tables)."""
+    FlexAttention path (its block tables are then built on the device, flex.block_tables); cpu_kernel:
+    the CPU kernel that attends instead of the padded path (at most one of the two)."""
     num_new = [len(t) for t in tokens]
     batch, max_q, num_tokens = len(slots), max(num_new), sum(num_new)
     ends, end = [], -1
@@ -87,34 +92,38 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
         end += n
         ends.append(end)
     multi = [b for b, n in enumerate(num_new) if n > 1]
-    split = flex_store is None and multi and 2 * len(multi) <= batch       # see SplitRows
+    split = flex_store is None and cpu_kernel is None and multi and 2 * len(multi) <= batch   # see SplitRows
     split_ids = ([e - n + 1 for e, n in zip(ends, num_new)] + multi
                  + [e - n + 1 + q for m in multi for e, n in [(ends[m], num_new[m])] for q in range(1, n)]
                  + [i for i, m in enumerate(multi) for _ in range(1, num_new[m])]
                  + [q - 1 for m in multi for q in range(1, num_new[m])]) if split else []
     host = torch.tensor(
-        [t for row in tokens for t in row] + slots + starts + num_new + ends
+        [t for row in tokens for t in row] + slots + starts + num_new + [e - n + 1 for e, n in zip(ends, num_new)]
+        + ends
         + [s + min(q, n - 1) for s, n in zip(starts, num_new) for q in range(max_q)]
         + [int(q < n) for n in num_new for q in range(max_q)]
         + [r for r, n in enumerate(num_new) for _ in range(n)]
         + [q for n in num_new for q in range(n)] + split_ids, dtype=torch.long)
     rest = num_tokens - batch
-    (input_ids, slots_t, starts_t, num_new_t, ends_t, position_ids, is_valid, token_row, token_q,
-     *split_t) = host.to(device).split([num_tokens] + [batch] * 4 + [batch * max_q] * 2 + [num_tokens] * 2
+    (input_ids, row_table, ends_t, position_ids, is_valid, token_row, token_q,
+     *split_t) = host.to(device).split([num_tokens, 4 * batch, batch] + [batch * max_q] * 2 + [num_tokens] * 2
                                        + ([batch, len(multi)] + [rest] * 3 if split else []))
+    row_table = row_table.view(4, batch)
+    slots_t, starts_t, num_new_t = row_table[0], row_table[1], row_table[2]
     flex_tables = None
     if flex_store is not None:
         num_slots, cap = flex_store
         flex_tables = block_tables(slots_t, starts_t, num_new_t, num_slots, max_q, cap // BLOCK)
     contiguous = slots == list(range(slots[0], slots[0] + batch))
     return StepLayout(
-        input_ids=input_ids.unsqueeze(0), slots=slots_t, row_ends=ends_t,
+        input_ids=input_ids.unsqueeze(0), slots=slots_t, row_table=row_table, row_ends=ends_t,
         position_ids=position_ids.view(batch, max_q), is_valid=is_valid.view(batch, max_q).bool(),
         token_row=token_row, token_q=token_q,
         kv_len=max(s + n for s, n in zip(starts, num_new)),
         slot_range=(slots[0], slots[0] + batch) if contiguous else None,
         flex=flex_tables,
         split=SplitRows(*split_t, kv_len=max(starts[m] + num_new[m] for m in multi)) if split else None,
+        cpu_kernel=cpu_kernel,
     )
 
 
@@ -187,7 +196,7 @@ class SlotKVCache(Cache):
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
         k_buf[slot_t, :, pos_t] = key_states[0].transpose(0, 1).to(k_buf.dtype)   # [num_tokens, kv_heads, dim]
         v_buf[slot_t, :, pos_t] = value_states[0].transpose(0, 1).to(v_buf.dtype)
-        if lay.flex is not None:                                               # each row reads its own blocks
+        if lay.flex is not None or lay.cpu_kernel is not None:                 # each row reads its own keys
             return k_buf, v_buf
         if lay.slot_range is not None:
             lo, hi = lay.slot_range
@@ -208,6 +217,10 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     batch, max_q = lay.is_valid.shape
+    if lay.cpu_kernel is not None:
+        out = lay.cpu_kernel(query[0].transpose(0, 1), key, value, lay.row_table,
+                             query.shape[-1] ** -0.5 if scaling is None else scaling)
+        return out.unsqueeze(0), None                                          # [1, num_tokens, heads, dim]
     if lay.flex is not None:
         return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling), None
     if lay.split is not None:

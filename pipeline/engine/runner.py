@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+from . import cpu_attention
 from .cpu_linear import can_pack, pack_linears
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
@@ -48,7 +49,7 @@ def _text_config(config):
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
-                 compile: str = "off"):
+                 compile: str = "off", cpu_kernel: str = "auto"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -59,6 +60,9 @@ class ModelRunner:
         # flex: attention per row over its own key blocks (flex.py), always or on steps where that is
         # cheaper than padded SDPA (kv_cache.py), which is every other step's kernel
         self.flex = flex_policy(compile, self.device)
+        # on CPU: our C attention kernel (cpu_attention.py), each row reading its own keys; None where
+        # it is off or cannot be used (then flex or padded SDPA, as above)
+        self.cpu_attention = cpu_attention.policy(cpu_kernel, self.device, self.dtype, head_dim)
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads,
                                  capacity(max_model_len) if self.flex else max_model_len,
                                  head_dim, self.dtype, self.device)
@@ -79,15 +83,16 @@ class ModelRunner:
         every real token in row order ([sum(len), vocab]), for the last token of each row
         ([rows, vocab]), or None (logits="none": prefill)."""
         num_new = [len(t) for t in tokens]
-        flex = self.flex == "always" or (self.flex == "cheaper" and
-                                         prefer_flex([s + n for s, n in zip(starts, num_new)], self.device))
+        kernel = self.cpu_attention
+        flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
+            [s + n for s, n in zip(starts, num_new)], self.device)))
         lay = make_layout(slots, starts, tokens, self.device,
-                          (self.cache.num_slots, self.cache.max_len) if flex else None)
+                          (self.cache.num_slots, self.cache.max_len) if flex else None, kernel)
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
         # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
         keep = 0 if logits == "all" else (lay.row_ends if logits == "last" else lay.row_ends[:1])   # "none": HF needs >= 1
         mask = None
-        if not flex:
+        if not flex and kernel is None:
             mask, lay.rest_mask = attention_masks(lay, self.num_groups, self.dtype)
         self.cache.layout = lay
         out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids, attention_mask=mask,

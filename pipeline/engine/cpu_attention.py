@@ -1,0 +1,211 @@
+"""Attention on CPU: our C kernel over the slot store (csrc/slot_attention.c).
+
+Why a kernel of our own: on a CPU a decoding step's attention is a few query rows per sequence
+against that sequence's keys. Torch's SDPA kernel runs it as many tiny GEMMs over keys padded to the
+step's longest row, and reached ~10 GB/s of a 30-40 GB/s memory system here (bench/RESULTS.md,
+"CPU attention kernel"); FlexAttention removes the padding but costs more per key on CPU. The C
+kernel streams each row's own keys once per KV head for all the query heads that share it, with
+no mask and no padding, so a step costs what its rows' lengths cost. Measured on prompt prefill
+too (causal rows of 100-2000 tokens) it beat padded SDPA by 5-15%, so it takes every forward.
+
+It is built with the system C compiler the first time a runner asks for it (about a second),
+cached under SPECPIPE_KERNEL_CACHE (default ~/.cache/specpipe/kernels), keyed by the source, the
+compiler and the CPU's instruction-set flags (a home directory shared by unlike machines gets one
+build per kind), and checked against a torch reference before first use. Where any of that fails,
+`unavailable()` says why and the runner keeps torch's kernels.
+
+Scope: fp32 stores, head sizes that are multiples of 8 up to 256 (64 and 128 get unrolled loops).
+Elsewhere (CUDA, bf16) the runner keeps torch's kernels (flex.py, kv_cache.py).
+
+This module knows nothing about models or requests: it sees tensors and a row table.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
+MODES = ("auto", "on", "off")
+
+log = logging.getLogger(__name__)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): part of the build's cache key,
+    because the build targets this CPU (-march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _arch_flags() -> list[str]:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECPIPE_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpipe", "kernels")
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:                                   # read-only home (some containers): a private temp dir
+        return Path(tempfile.mkdtemp(prefix="specpipe-kernels-"))
+
+
+def _build() -> Path:
+    """The shared library for this source, compiler and CPU: built once, then reused."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    lib = cache / f"slot_attention-{key}.so"
+    if lib.exists():
+        return lib
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)                          # atomic: concurrent workers build the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class CpuAttention:
+    """The loaded kernel. Call it with packed queries, the layer's slot store and the step's row table."""
+
+    def __init__(self, path: Path):
+        self._lib = ctypes.CDLL(str(path))
+        fn = self._lib.slot_attention_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                 row_table: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [num_tokens, heads, dim] fp32; k_store/v_store [num_slots, kv_heads, cap, dim];
+        row_table [4, rows] int64 (slot, start, num_new, first packed token per row). Returns the
+        attention output [num_tokens, heads, dim]. Row r's token i (position start + i) sees keys
+        0 .. start + i of its slot; those must already hold this step's keys."""
+        query = query.contiguous()
+        num_slots, kv_heads, cap, dim = k_store.shape
+        heads = query.shape[1]
+        for t in (k_store, v_store, row_table):
+            if not t.is_contiguous():
+                raise ValueError("cpu attention: store and row table must be contiguous")
+        out = torch.empty_like(query)
+        status = self._fn(query.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(),
+                          row_table.data_ptr(), row_table.shape[1], kv_heads, heads // kv_heads, cap, dim,
+                          float(scale), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("cpu attention: the kernel could not allocate its scratch memory"
+                              if status == -1 else f"cpu attention: kernel status {status}")
+        return out
+
+
+def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, row_table: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """The same attention in plain torch, one row at a time (the kernel's specification and check)."""
+    out = torch.empty_like(query)
+    groups = query.shape[1] // k_store.shape[1]
+    for slot, start, n, first in row_table.T.tolist():
+        k = k_store[slot, :, :start + n].repeat_interleave(groups, 0)          # [heads, len, dim]
+        v = v_store[slot, :, :start + n].repeat_interleave(groups, 0)
+        q = query[first:first + n].transpose(0, 1)                             # [heads, n, dim]
+        scores = (q @ k.transpose(1, 2)) * scale                               # [heads, n, len]
+        future = torch.arange(start + n) > (start + torch.arange(n)).unsqueeze(1)
+        out[first:first + n] = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def _self_check(kernel: CpuAttention) -> None:
+    """The built kernel against `reference` on ragged rows, non-contiguous slots, both head sizes."""
+    gen = torch.Generator().manual_seed(0)
+    for dim, groups in ((64, 3), (128, 1), (16, 2)):
+        k_store = torch.randn(5, 2, 48, dim, generator=gen)
+        v_store = torch.randn(5, 2, 48, dim, generator=gen)
+        slots, starts, num_new = [3, 0, 4], [0, 17, 40], [5, 1, 3]
+        firsts = [0, 5, 6]
+        table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
+        query = torch.randn(sum(num_new), 2 * groups, dim, generator=gen)
+        got = kernel(query, k_store, v_store, table, dim ** -0.5)
+        want = reference(query, k_store, v_store, table, dim ** -0.5)
+        err = (got - want).abs().max().item()
+        if not err < 1e-4:
+            raise RuntimeError(f"self-check failed: max difference {err:.2e} from the torch reference")
+
+
+@lru_cache(maxsize=None)
+def _load() -> tuple[CpuAttention | None, str | None]:
+    try:
+        kernel = CpuAttention(_build())
+        _self_check(kernel)
+        return kernel, None
+    except Exception as e:                               # noqa: BLE001 - any failure: keep torch's kernels
+        log.warning("CPU attention kernel unavailable, torch's kernels attend instead: %s: %s", type(e).__name__, e)
+        return None, f"{type(e).__name__}: {e}"
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a runner with this device, store dtype and head size cannot use the kernel, else None.
+    Builds (or finds) and checks the kernel on first call."""
+    if device.type != "cpu":
+        return f"device {device.type}: the kernel is for CPUs"
+    if dtype != torch.float32:
+        return f"store dtype {dtype}: the kernel is fp32 only"
+    if head_dim % 8 or head_dim > 256:
+        return f"head size {head_dim}: the kernel takes multiples of 8 up to 256"
+    return _load()[1]
+
+
+def kernel() -> CpuAttention:
+    loaded, reason = _load()
+    if loaded is None:
+        raise RuntimeError(f"cpu attention kernel unavailable: {reason}")
+    return loaded
+
+
+def policy(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuAttention | None:
+    """The kernel a runner uses under engine.cpu_attention = mode: auto (where
+    it is available), on (raises where not), off (None: torch's kernels)."""
+    if mode not in MODES:
+        raise ValueError(f"engine.cpu_attention: expected one of {MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    reason = unavailable(device, dtype, head_dim)
+    if reason is not None:
+        if mode == "on":
+            raise RuntimeError(f"engine.cpu_attention=on, but the kernel cannot be used: {reason}")
+        return None
+    return kernel()

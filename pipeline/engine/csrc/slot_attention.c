@@ -1,0 +1,153 @@
+/* Attention over the slot KV store, fp32, for CPUs: each row reads its own keys only.
+ *
+ * Built by pipeline/engine/cpu_attention.py with the system C compiler (-O3, the host's vector
+ * instructions, OpenMP) the first time a runner needs it, and loaded with ctypes. Portable C with
+ * GCC (>= 12) / Clang vector extensions: no intrinsics, so the same source builds for AVX2, AVX-512
+ * and NEON.
+ *
+ * Layouts (all contiguous, row-major):
+ *   q, out       [num_tokens, heads, dim]          packed new tokens, row after row
+ *   k_store/v    [num_slots, kv_heads, cap, dim]   the slot store (kv_cache.SlotKVCache)
+ *   rows         [4, num_rows] int64               slot, start, num_new, first packed token of each row
+ * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot. The query
+ * heads sharing a KV head (heads = kv_heads * groups) are one task's queries: the task (row, kv
+ * head) streams that head's keys and values once for all of them.
+ *
+ * Per task: scores = q K^T (eight keys at a time, a transpose-reduce instead of one horizontal sum
+ * per key), a softmax with an exponential written as vector code (2^k times a degree-6
+ * polynomial, relative error ~1e-7), then out = p V. Returns 0, or -1 when scratch memory ran out.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* Lane i of the result: the sum of the lanes of a[i]. */
+#define PAIRS(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) \
+                     + __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15))
+#define QUADS(x, y) (__builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) \
+                     + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15))
+#define HALVES(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) \
+                      + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
+static inline v8 reduce8(const v8 a[8]) {
+    v8 b0 = PAIRS(a[0], a[1]), b1 = PAIRS(a[2], a[3]), b2 = PAIRS(a[4], a[5]), b3 = PAIRS(a[6], a[7]);
+    return HALVES(QUADS(b0, b1), QUADS(b2, b3));
+}
+
+static inline v8 select8(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
+
+/* x[0, m) <- e^(x - max x[0, m)); returns their sum. x has room for m rounded up to 8 (scratch). */
+static float softmax_numerators(float *x, int64_t m) {
+    const float lo = -87.0f;                              /* e^-87 ~ 1.6e-38: the smallest normal */
+    const v8 lov = {lo, lo, lo, lo, lo, lo, lo, lo};
+    int64_t n8 = (m + 7) & ~(int64_t)7;
+    for (int64_t i = m; i < n8; i++) x[i] = lo;
+    v8 mxv = load8(x);
+    for (int64_t i = 8; i < n8; i += 8) {
+        v8 v = load8(x + i);
+        mxv = select8(v > mxv, v, mxv);
+    }
+    float mx = mxv[0];
+    for (int i = 1; i < 8; i++) mx = mxv[i] > mx ? mxv[i] : mx;
+    v8 sum = {0};
+    for (int64_t i = 0; i < n8; i += 8) {
+        v8 v = load8(x + i) - mx;
+        v = select8(v > lov, v, lov);
+        v8 t = v * 1.44269504088896341f - 0.5f;           /* v <= 0: trunc(t) = round(v log2 e) */
+        i8 k = __builtin_convertvector(t, i8);
+        v8 kf = __builtin_convertvector(k, v8);
+        v8 r = v - kf * 0.693145751953125f - kf * 1.428606765330187045e-06f;   /* ln 2, split */
+        v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
+               + r * (0.0083333338f + r * 0.0013888889f)))));
+        v8 e = p * (v8)((k + 127) << 23);
+        store8(x + i, e);
+        if (i + 8 <= m) sum += e;
+        else for (int64_t j = i; j < m; j++) sum[0] += e[j - i];
+    }
+    float total = 0;
+    for (int i = 0; i < 8; i++) total += sum[i];
+    return total;
+}
+
+/* One task: n tokens of a row at positions p0.. (the row's keys up to p0 + n - 1 hold this step's
+ * values), `groups` query heads each, one KV head. q/out point at the first token's first head of
+ * the group; tok_stride = heads * dim. s: scratch, p0 + n + 8 floats (one query's scores at a time).
+ * DIM: a multiple of 8, at most 8 * MAX_CHUNKS; a constant for the common head sizes (the loops
+ * unroll), the argument `dim` otherwise. */
+#define MAX_CHUNKS 32
+#define QBLOCK 32                                         /* tokens of one row per task, at most */
+#define ATTEND(NAME, DIM)                                                                              \
+static void NAME(const float *q, const float *K, const float *V, float *out, int64_t tok_stride,      \
+                 int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim) {         \
+    (void)dim;                                                                                         \
+    for (int64_t j = 0; j < n * groups; j++) {                                                         \
+        const float *qj = q + (j / groups) * tok_stride + (j % groups) * DIM;                          \
+        float *sj = s;                                                                                 \
+        int64_t m = p0 + j / groups + 1;                  /* the keys this query sees */               \
+        int64_t m8 = m & ~(int64_t)7;                                                                  \
+        for (int64_t l = 0; l < m8; l += 8) {                                                          \
+            v8 acc[8] = {0};                                                                           \
+            for (int64_t d = 0; d < DIM; d += 8) {                                                     \
+                v8 qv = load8(qj + d);                                                                 \
+                for (int k = 0; k < 8; k++) acc[k] += qv * load8(K + (l + k) * DIM + d);               \
+            }                                                                                          \
+            store8(sj + l, reduce8(acc) * scale);                                                      \
+        }                                                                                              \
+        for (int64_t l = m8; l < m; l++) {                                                             \
+            v8 acc = {0};                                                                              \
+            for (int64_t d = 0; d < DIM; d += 8) acc += load8(qj + d) * load8(K + l * DIM + d);        \
+            float t = 0;                                                                               \
+            for (int i = 0; i < 8; i++) t += acc[i];                                                   \
+            sj[l] = t * scale;                                                                         \
+        }                                                                                              \
+        float inv = 1.0f / softmax_numerators(sj, m);                                                  \
+        v8 o[MAX_CHUNKS] = {0};                                                                        \
+        for (int64_t l = 0; l < m; l++)                                                                \
+            for (int c = 0; c < DIM / 8; c++) o[c] += sj[l] * load8(V + l * DIM + c * 8);             \
+        float *oj = out + (j / groups) * tok_stride + (j % groups) * DIM;                              \
+        for (int c = 0; c < DIM / 8; c++) store8(oj + c * 8, o[c] * inv);                              \
+    }                                                                                                  \
+}
+ATTEND(attend_64, 64)
+ATTEND(attend_128, 128)
+ATTEND(attend_any, dim)
+
+int slot_attention_f32(const float *q, const float *k_store, const float *v_store, float *out,
+                       const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
+                       int64_t dim, float scale, int num_threads) {
+    if (dim % 8 != 0 || dim > 8 * MAX_CHUNKS) return -2;
+    const int64_t *slot = rows, *start = rows + num_rows, *num_new = rows + 2 * num_rows,
+                  *first = rows + 3 * num_rows;
+    int64_t heads = kv_heads * groups;
+    /* Tasks: (row, block of at most QBLOCK of its tokens, KV head), so a long prompt's row spreads
+       over the threads too. block_end[r]: blocks of rows 0..r. */
+    int64_t *block_end = malloc(sizeof(int64_t) * num_rows);
+    if (block_end == NULL) return -1;
+    for (int64_t r = 0, total = 0; r < num_rows; r++) block_end[r] = total += (num_new[r] + QBLOCK - 1) / QBLOCK;
+    int64_t num_tasks = num_rows ? block_end[num_rows - 1] * kv_heads : 0;
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t task = 0; task < num_tasks; task++) {
+        int64_t b = task / kv_heads, h = task % kv_heads, r = 0, hi = num_rows - 1;
+        while (r < hi) {                                  /* the first row with block_end[r] > b */
+            int64_t mid = (r + hi) / 2;
+            if (block_end[mid] > b) hi = mid; else r = mid + 1;
+        }
+        int64_t b0 = b - (r ? block_end[r - 1] : 0), t0 = b0 * QBLOCK;           /* first token of the block */
+        int64_t n = num_new[r] - t0 < QBLOCK ? num_new[r] - t0 : QBLOCK;
+        float *s = malloc(sizeof(float) * (start[r] + t0 + n + 8));
+        if (s == NULL) { failed = 1; continue; }
+        int64_t kv = (slot[r] * kv_heads + h) * cap * dim, qo = ((first[r] + t0) * heads + h * groups) * dim;
+        void (*attend)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                       int64_t, float, float *, int64_t) = dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any;
+        attend(q + qo, k_store + kv, v_store + kv, out + qo, heads * dim, n, start[r] + t0, groups, scale, s, dim);
+        free(s);
+    }
+    free(block_end);
+    return failed ? -1 : 0;
+}

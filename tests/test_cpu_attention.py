@@ -1,0 +1,104 @@
+"""Our CPU attention kernel (pipeline/engine/cpu_attention.py, csrc/slot_attention.c): against the
+plain-torch reference on ragged rows, through the runner against torch's padded SDPA, its build
+cache, and the engine.cpu_attention modes. (The greedy-identity, KV-invariant and chi-square tests
+run the engine on it too.)"""
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from pipeline.config import ConfigError, load_config
+from pipeline.engine import cpu_attention
+from pipeline.engine.runner import ModelRunner
+
+# Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
+pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None, reason="no C compiler here: the kernel cannot be built")
+
+
+def ragged_case(dim, groups, kv_heads=2, seed=0):
+    """Rows with non-contiguous slots, starts from 0 to near the capacity, 1 to 70 new tokens (a row
+    of more than the kernel's 32-token task block is split over tasks)."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = 96
+    k_store = torch.randn(7, kv_heads, cap, dim, generator=gen)
+    v_store = torch.randn(7, kv_heads, cap, dim, generator=gen)
+    slots, starts, num_new = [5, 0, 3, 2, 4, 1], [0, 1, 37, 79, 8, 20], [1, 16, 7, 9, 8, 70]
+    firsts = [sum(num_new[:i]) for i in range(len(num_new))]
+    table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
+    query = torch.randn(sum(num_new), kv_heads * groups, dim, generator=gen) * 3    # peaky softmax rows too
+    return query, k_store, v_store, table
+
+
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 1), (16, 2), (24, 7)])
+def test_kernel_equals_reference_on_ragged_rows(dim, groups):
+    query, k_store, v_store, table = ragged_case(dim, groups)
+    got = cpu_attention.kernel()(query, k_store, v_store, table, dim ** -0.5)
+    want = cpu_attention.reference(query, k_store, v_store, table, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)     # a mask off by one key: ~1e-1
+
+
+def test_first_position_sees_only_itself():
+    """A token at position 0 attends to one key: its output is that key's value, exactly up to
+    rounding. A mask one position off (seeing position 1's stale key) fails this."""
+    query, k_store, v_store, table = ragged_case(64, 3)
+    out = cpu_attention.kernel()(query, k_store, v_store, table, 0.125)
+    slot = table[0, 0].item()                                       # row 0: start 0, one token
+    torch.testing.assert_close(out[0], v_store[slot].repeat_interleave(3, 0)[:, 0], atol=1e-6, rtol=0)
+
+
+def test_runner_logits_equal_padded_sdpa():
+    """A verify-shaped step (rows of 1 to 5 tokens, non-contiguous slots, mixed lengths) through the
+    model: the kernel's logits equal torch's padded SDPA path's."""
+    model = tiny_llama(hidden=128, heads=4, kv_heads=2)                 # head size 32
+    runners = {mode: ModelRunner(copy.deepcopy(model), 6, 200, pack_linear=False, cpu_kernel=mode)
+               for mode in ("on", "off")}
+    assert runners["on"].cpu_attention is not None and runners["off"].cpu_attention is None
+    gen = torch.Generator().manual_seed(1)
+    prompts = {slot: torch.randint(0, 512, (n,), generator=gen).tolist() for slot, n in [(4, 150), (1, 9), (3, 60)]}
+    out = {}
+    for mode, runner in runners.items():
+        runner.forward(list(prompts), [0] * 3, list(prompts.values()), logits="none")        # prefill: SDPA
+        step = [[7, 8, 9, 10, 11], [12], [13, 14]]
+        out[mode] = runner.forward(list(prompts), [len(p) for p in prompts.values()], step)
+    torch.testing.assert_close(out["on"], out["off"], atol=1e-4, rtol=1e-4)
+
+
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_attention._build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention._build() == first and first.stat().st_mtime_ns == mtime      # reused, not rebuilt
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "flags : some other cpu")
+    assert cpu_attention._build() != first                                            # another CPU: its own build
+    assert len(list(tmp_path.glob("*.so"))) == 2
+
+
+def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false"):
+        cpu_attention._build()
+    assert list(tmp_path.iterdir()) == []                                             # no half-written file
+
+
+def test_modes():
+    cpu = torch.device("cpu")
+    assert cpu_attention.policy("off", cpu, torch.float32, 64) is None
+    assert cpu_attention.policy("auto", cpu, torch.float32, 64) is not None
+    assert cpu_attention.policy("auto", cpu, torch.bfloat16, 64) is None                # torch's kernels then
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_attention.policy("on", cpu, torch.bfloat16, 64)
+    with pytest.raises(RuntimeError, match="head size 20"):
+        cpu_attention.policy("on", cpu, torch.float32, 20)
+    with pytest.raises(ValueError, match="engine.cpu_attention"):
+        cpu_attention.policy("maybe", cpu, torch.float32, 64)
+
+
+def test_config_key(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("engine:\n  cpu_attention: off\n")                 # YAML 1.1 reads a bare off as False
+    assert load_config(str(path)).engine.cpu_attention == "off"
+    assert load_config(None, []).engine.cpu_attention == "auto"
+    with pytest.raises(ConfigError, match="engine.cpu_attention"):
+        load_config(None, ["engine.cpu_attention=sometimes"])
