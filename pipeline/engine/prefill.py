@@ -1,8 +1,10 @@
 """Chunked history prefill: KV (no logits) for a stretch of each sequence's committed history.
 
 Used for the target's prompt (the engine) and for the draft model's prompt or lazy catch-up (the
-draft-model drafter). Rows are grouped so that padded batches waste little. The caller owns the
-computed lengths: this module forwards tokens and moves no length.
+draft-model drafter). Where the runner's attention pads rows to the longest, rows are grouped so
+that padded batches waste little; where each row attends over its own keys (our CPU kernel, flex
+on every step), all chunks go in one forward. The caller owns the computed lengths: this module
+forwards tokens and moves no length.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def padding_groups(chunks: list[Chunk], slack: float = 1.25) -> list[list[Chunk]
 
 def forward_history(runner: ModelRunner, chunks: list[Chunk], computed: Callable[[Sequence], int]) -> None:
     """KV (no logits) for chunks (seq, n): the n tokens of each sequence's history after its first
-    `computed(seq)` positions in `runner`'s store, in low-padding groups."""
-    for group in padding_groups(chunks):
+    `computed(seq)` positions in `runner`'s store, in one forward or in low-padding groups."""
+    for group in padding_groups(chunks) if runner.pads_rows else [chunks][:len(chunks)]:
         starts = [computed(seq) for seq, _ in group]
         tokens = [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)]
         runner.forward([seq.slot for seq, _ in group], starts, tokens, logits="none")

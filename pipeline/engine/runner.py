@@ -102,6 +102,12 @@ class ModelRunner:
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.logits[0].float()           # [kept, vocab]
 
+    @property
+    def pads_rows(self) -> bool:
+        """Whether a forward's attention may pad every row to the longest (torch's SDPA path): then
+        callers batching long rows of unequal length (prefill) should group them."""
+        return self.cpu_attention is None and self.flex != "always"
+
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest on asynchronous devices."""
         if self.device.type == "cuda":
