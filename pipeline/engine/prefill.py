@@ -32,7 +32,8 @@ def padding_groups(chunks: list[Chunk], slack: float = 1.25) -> list[list[Chunk]
 def forward_history(runner: ModelRunner, chunks: list[Chunk], computed: Callable[[Sequence], int]) -> None:
     """KV (no logits) for chunks (seq, n): the n tokens of each sequence's history after its first
     `computed(seq)` positions in `runner`'s store, in one forward or in low-padding groups."""
-    for group in padding_groups(chunks) if runner.pads_rows else [chunks][:len(chunks)]:
+    groups = padding_groups(chunks) if runner.pads_rows else [chunks] if chunks else []
+    for group in groups:
         starts = [computed(seq) for seq, _ in group]
         tokens = [seq.all_ids()[start:start + n] for (seq, n), start in zip(group, starts)]
         runner.forward([seq.slot for seq, _ in group], starts, tokens, logits="none")
