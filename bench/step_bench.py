@@ -77,7 +77,7 @@ def main() -> None:
         t0 = time.perf_counter()
         runner = ModelRunner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
                              args.max_model_len, compile="off" if mode == "cpu" else mode,
-                             cpu_kernel="on" if mode == "cpu" else "off")
+                             cpu_attention="on" if mode == "cpu" else "off")
         medians = {}
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]

@@ -126,8 +126,9 @@ class EngineSection:
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        self.compile = {"True": "on", "False": "off"}.get(self.compile, self.compile)
-        self.cpu_attention = {"True": "on", "False": "off"}.get(self.cpu_attention, self.cpu_attention)
+        for name in ("compile", "cpu_attention"):
+            value = getattr(self, name)
+            setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
         try:
             self.to_engine_config()
         except ValueError as e:

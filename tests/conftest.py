@@ -68,7 +68,7 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return SuffixDrafter(SuffixParams(min_match=1))
     method = "probabilistic" if kind == "draft-prob" else "greedy"
     model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
-                                                  cpu_kernel=cpu_attention), method)
+                                                  cpu_attention=cpu_attention), method)
     if kind == "hybrid-suffix":
         return HybridDrafter(SuffixDrafter(SuffixParams(min_match=1)), model_drafter)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
@@ -86,7 +86,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     # The runner packs its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
-                                  cpu_kernel=cpu_attention), drafter,
+                                  cpu_attention=cpu_attention), drafter,
                       cfg, list(eos),
                       decode)
 

@@ -51,7 +51,7 @@ def test_runner_logits_equal_padded_sdpa():
     """A verify-shaped step (rows of 1 to 5 tokens, non-contiguous slots, mixed lengths) through the
     model: the kernel's logits equal torch's padded SDPA path's."""
     model = tiny_llama(hidden=128, heads=4, kv_heads=2)                 # head size 32
-    runners = {mode: ModelRunner(copy.deepcopy(model), 6, 200, pack_linear=False, cpu_kernel=mode)
+    runners = {mode: ModelRunner(copy.deepcopy(model), 6, 200, pack_linear=False, cpu_attention=mode)
                for mode in ("on", "off")}
     assert runners["on"].cpu_attention is not None and runners["off"].cpu_attention is None
     gen = torch.Generator().manual_seed(1)

@@ -91,7 +91,7 @@ def test_compile_modes(monkeypatch):
 def test_runner_logits_equal_eager(compile):
     """The same forwards through both kernels (auto picks flex for the mixed step only): same logits."""
     model = tiny_llama()
-    runners = {mode: ModelRunner(copy.deepcopy(model), 4, 600, pack_linear=False, compile=mode, cpu_kernel="off")
+    runners = {mode: ModelRunner(copy.deepcopy(model), 4, 600, pack_linear=False, compile=mode, cpu_attention="off")
                for mode in ("off", compile)}
     gen = torch.Generator().manual_seed(3)
     history = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (520, 30, 40, 35)]

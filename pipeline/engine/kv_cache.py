@@ -91,15 +91,15 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
     for n in num_new:
         end += n
         ends.append(end)
+    firsts = [e - n + 1 for e, n in zip(ends, num_new)]                   # packed index of each row's first token
     multi = [b for b, n in enumerate(num_new) if n > 1]
     split = flex_store is None and cpu_kernel is None and multi and 2 * len(multi) <= batch   # see SplitRows
-    split_ids = ([e - n + 1 for e, n in zip(ends, num_new)] + multi
+    split_ids = (multi
                  + [e - n + 1 + q for m in multi for e, n in [(ends[m], num_new[m])] for q in range(1, n)]
                  + [i for i, m in enumerate(multi) for _ in range(1, num_new[m])]
                  + [q - 1 for m in multi for q in range(1, num_new[m])]) if split else []
     host = torch.tensor(
-        [t for row in tokens for t in row] + slots + starts + num_new + [e - n + 1 for e, n in zip(ends, num_new)]
-        + ends
+        [t for row in tokens for t in row] + slots + starts + num_new + firsts + ends
         + [s + min(q, n - 1) for s, n in zip(starts, num_new) for q in range(max_q)]
         + [int(q < n) for n in num_new for q in range(max_q)]
         + [r for r, n in enumerate(num_new) for _ in range(n)]
@@ -107,7 +107,7 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
     rest = num_tokens - batch
     (input_ids, row_table, ends_t, position_ids, is_valid, token_row, token_q,
      *split_t) = host.to(device).split([num_tokens, 4 * batch, batch] + [batch * max_q] * 2 + [num_tokens] * 2
-                                       + ([batch, len(multi)] + [rest] * 3 if split else []))
+                                       + ([len(multi)] + [rest] * 3 if split else []))
     row_table = row_table.view(4, batch)
     slots_t, starts_t, num_new_t = row_table[0], row_table[1], row_table[2]
     flex_tables = None
@@ -122,7 +122,7 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
         kv_len=max(s + n for s, n in zip(starts, num_new)),
         slot_range=(slots[0], slots[0] + batch) if contiguous else None,
         flex=flex_tables,
-        split=SplitRows(*split_t, kv_len=max(starts[m] + num_new[m] for m in multi)) if split else None,
+        split=SplitRows(row_table[3], *split_t, kv_len=max(starts[m] + num_new[m] for m in multi)) if split else None,
         cpu_kernel=cpu_kernel,
     )
 

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from . import cpu_attention
+from .cpu_attention import policy as cpu_attention_policy
 from .cpu_linear import can_pack, pack_linears
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
@@ -49,7 +49,7 @@ def _text_config(config):
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
-                 compile: str = "off", cpu_kernel: str = "auto"):
+                 compile: str = "off", cpu_attention: str = "auto"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -62,7 +62,7 @@ class ModelRunner:
         self.flex = flex_policy(compile, self.device)
         # on CPU: our C attention kernel (cpu_attention.py), each row reading its own keys; None where
         # it is off or cannot be used (then flex or padded SDPA, as above)
-        self.cpu_attention = cpu_attention.policy(cpu_kernel, self.device, self.dtype, head_dim)
+        self.cpu_attention = cpu_attention_policy(cpu_attention, self.device, self.dtype, head_dim)
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads,
                                  capacity(max_model_len) if self.flex else max_model_len,
                                  head_dim, self.dtype, self.device)
