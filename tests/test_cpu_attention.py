@@ -13,7 +13,8 @@ from pipeline.engine import cpu_attention
 from pipeline.engine.runner import ModelRunner
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
-pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None, reason="no C compiler here: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None,
+                                reason="no C compiler here: the kernel cannot be built")
 
 
 def ragged_case(dim, groups, kv_heads=2, seed=0):
