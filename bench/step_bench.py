@@ -13,6 +13,8 @@ per mode. The KV contents are whatever the store holds: the cost does not depend
 
     .venv/bin/python -m bench.step_bench --threads 2 --sweep 16,32,64,128,256 --q 1 --max-model-len 512
 
+--linears panel,onednn: each mode with our linear kernel and with oneDNN's packed weights.
+
 --sweep: running sequences (rows of ~300 context tokens) per step instead of the workloads, with
 tokens/s = rows x q / step time: where more running sequences stop paying (engine.max_num_seqs).
 """
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--modes", default="cpu,off,on,auto",
                     help="cpu: our CPU kernel (engine.cpu_attention); off/on/auto: engine.compile with it off")
+    ap.add_argument("--linears", default="panel",
+                    help="panel: our CPU linear kernel (engine.cpu_linear); onednn: oneDNN-packed weights")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--sweep", default="", help="comma-separated row counts (see the docstring)")
     args = ap.parse_args()
@@ -72,12 +76,13 @@ def main() -> None:
         args.workloads = ",".join(f"rows{r}" for r in args.sweep.split(","))
     torch.set_num_threads(args.threads)
     print(f"model {args.model} {args.dtype} on {args.device}, {args.threads} thread(s), {args.q} tokens/row")
-    for mode in args.modes.split(","):
+    for mode, linear in [(m, lin) for m in args.modes.split(",") for lin in args.linears.split(",")]:
         model, _ = load_model(ModelSpec(args.model, args.dtype, args.device))
         t0 = time.perf_counter()
         runner = ModelRunner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
                              args.max_model_len, compile="off" if mode == "cpu" else mode,
-                             cpu_attention="on" if mode == "cpu" else "off")
+                             cpu_attention="on" if mode == "cpu" else "off",
+                             cpu_linear="on" if linear == "panel" else "off")
         medians = {}
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]
@@ -87,7 +92,7 @@ def main() -> None:
             medians[name] = med
             tokens = len(contexts) * args.q + (args.first_q - args.q if args.first_q else 0)
             rate = f"  {tokens / med:7.1f} tok/s" if args.sweep else ""
-            print(f"mode={mode:4s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
+            print(f"mode={mode:4s} linear={linear:6s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
                   f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
                   f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s){rate}")
         if "mixed" in medians and "uniform" in medians:

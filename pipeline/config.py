@@ -116,17 +116,21 @@ class EngineSection:
     num_speculative_tokens: int = 4
     adaptive: bool = False
     max_prefill_tokens: int = 512
-    packed_linear: bool = True      # CPU: reorder linear weights once for oneDNN (ignored on CUDA)
+    packed_linear: bool = True      # CPU: regroup linear weights once for a faster kernel (cpu_linear's,
+                                    # else oneDNN's); false: torch's F.linear (ignored on CUDA)
     compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
                                     # own KV blocks (auto: where inductor can compile, on steps where that
                                     # beats padding every row to the longest; on: every step; off: eager)
     cpu_attention: str = "auto"     # auto | on | off: attention on CPU by our C kernel, each row its own keys
                                     # (pipeline/engine/cpu_attention.py; fp32, built at first use with
                                     # the system C compiler; auto: where it builds, else torch's kernels)
+    cpu_linear: str = "auto"        # auto | on | off: with packed_linear, linears on CPU by our C panel
+                                    # kernel, fp32 (pipeline/engine/cpu_linear.py; off, or auto where it
+                                    # cannot build: oneDNN-packed weights)
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        for name in ("compile", "cpu_attention"):
+        for name in ("compile", "cpu_attention", "cpu_linear"):
             value = getattr(self, name)
             setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
         try:
@@ -335,7 +339,7 @@ def redacted(cfg: JobConfig) -> dict:
 
 def hashed_tree(cfg: JobConfig) -> dict:
     """What determines the output: everything but where and how the job runs (cluster, storage,
-    progress display, live metrics, resume, the lease, the attention kernel) and failure drills."""
+    progress display, live metrics, resume, the lease, the CPU kernels) and failure drills."""
     tree = asdict(cfg)
     for key in ("cluster", "storage", "debug"):
         tree.pop(key)
@@ -343,6 +347,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
         tree["run"].pop(key)
     tree["engine"].pop("compile")                     # the attention kernels: same distribution either way
     tree["engine"].pop("cpu_attention")
+    tree["engine"].pop("cpu_linear")                  # the linear kernel: likewise (rounding-level differences)
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")
     models = tree["models"]                           # likewise for runs without the suffix drafter

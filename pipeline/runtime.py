@@ -38,21 +38,23 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
     target, tokenizer = load_model(spec)
     reject_unsupported(target.config, engine_cfg.max_model_len)
     slots, max_len = engine_cfg.max_num_seqs, engine_cfg.max_model_len
+
+    def runner(model) -> ModelRunner:
+        return ModelRunner(model, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
+                           engine_cfg.cpu_attention, engine_cfg.cpu_linear)
+
     drafter, draft_id = None, None
     if models.drafter in ("draft", "hybrid"):
         dspec = ModelSpec(models.draft, dtype.dtype, models.device, models.trust_remote_code)
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, max_len)
-        drafter = DraftModelDrafter(ModelRunner(draft, slots, max_len, engine_cfg.packed_linear,
-                                                engine_cfg.compile, engine_cfg.cpu_attention),
-                                    models.draft_sample_method)
+        drafter = DraftModelDrafter(runner(draft), models.draft_sample_method)
         draft_id = model_id(dspec)
     if models.drafter in ("ngram", "suffix", "hybrid"):
         free = free_drafter(models, models.hybrid_proposer if models.drafter == "hybrid" else models.drafter)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    engine = SpecEngine(ModelRunner(target, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
-                                    engine_cfg.cpu_attention), drafter,
+    engine = SpecEngine(runner(target), drafter,
                         engine_cfg.to_engine_config(), eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype)

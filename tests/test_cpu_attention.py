@@ -1,7 +1,7 @@
 """Our CPU attention kernel (pipeline/engine/cpu_attention.py, csrc/slot_attention.c): against the
-plain-torch reference on ragged rows, through the runner against torch's padded SDPA, its build
-cache, and the engine.cpu_attention modes. (The greedy-identity, KV-invariant and chi-square tests
-run the engine on it too.)"""
+plain-torch reference on ragged rows, through the runner against torch's padded SDPA, and the
+engine.cpu_attention modes. Its build cache: test_cpu_kernels.py. (The greedy-identity,
+KV-invariant and chi-square tests run the engine on it too.)"""
 import copy
 
 import pytest
@@ -9,11 +9,11 @@ import torch
 
 from conftest import tiny_llama
 from pipeline.config import ConfigError, load_config
-from pipeline.engine import cpu_attention
+from pipeline.engine import cpu_attention, cpu_kernels
 from pipeline.engine.runner import ModelRunner
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
-pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None,
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C compiler here: the kernel cannot be built")
 
 
@@ -63,24 +63,6 @@ def test_runner_logits_equal_padded_sdpa():
         step = [[7, 8, 9, 10, 11], [12], [13, 14]]
         out[mode] = runner.forward(list(prompts), [len(p) for p in prompts.values()], step)
     torch.testing.assert_close(out["on"], out["off"], atol=1e-4, rtol=1e-4)
-
-
-def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
-    first = cpu_attention._build()
-    mtime = first.stat().st_mtime_ns
-    assert cpu_attention._build() == first and first.stat().st_mtime_ns == mtime      # reused, not rebuilt
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "flags : some other cpu")
-    assert cpu_attention._build() != first                                            # another CPU: its own build
-    assert len(list(tmp_path.glob("*.so"))) == 2
-
-
-def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
-    with pytest.raises(RuntimeError, match="false"):
-        cpu_attention._build()
-    assert list(tmp_path.iterdir()) == []                                             # no half-written file
 
 
 def test_modes():

@@ -1,6 +1,7 @@
-"""oneDNN-packed linears (pipeline/engine/cpu_linear.py): same function as nn.Linear, swapped in by
-the runner on CPU unless disabled, and the engine's greedy output through them equals plain
-Hugging Face decoding of the unpacked model."""
+"""oneDNN-packed linears (pipeline/engine/cpu_linear.py, where our panel kernel is off or cannot be
+built): same function as nn.Linear, swapped in by the runner on CPU unless disabled, and the
+engine's greedy output through them equals plain Hugging Face decoding of the unpacked model.
+Our panel kernel: test_cpu_kernels.py."""
 from __future__ import annotations
 
 import copy
@@ -43,16 +44,16 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits():
 
 
 def test_runner_packs_on_cpu_unless_disabled():
-    assert ModelRunner(tiny_llama(), 2, 64).packed_linears > 0
+    assert ModelRunner(tiny_llama(), 2, 64, cpu_linear="off").packed_linears > 0
     off = ModelRunner(tiny_llama(), 2, 64, pack_linear=False)
-    assert off.packed_linears == 0
+    assert off.packed_linears == 0 and off.panel_linears == 0
     assert any(type(m) is nn.Linear for m in off.model.modules())
 
 
 @pytest.mark.parametrize("kind", ["none", "draft-greedy"])
 def test_packed_engine_greedy_equals_unpacked_reference(target_model, draft_model, kind):
     """The engine (packed, its own copy) against HF generate on the unpacked fixture model."""
-    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4)
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, cpu_linear="off")
     assert engine.target.packed_linears > 0
     prompts = mixed_prompts(8, 512, seed=11)
     done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0))

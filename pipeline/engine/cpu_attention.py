@@ -8,10 +8,9 @@ kernel streams each row's own keys once per KV head for all the query heads that
 no mask and no padding, so a step costs what its rows' lengths cost. Measured on prompt prefill
 too (causal rows of 100-2000 tokens) it beat padded SDPA by 5-15%, so it takes every forward.
 
-It is built with the system C compiler the first time a runner asks for it (about a second),
-cached under SPECPIPE_KERNEL_CACHE (default ~/.cache/specpipe/kernels), keyed by the source, the
-compiler and the CPU's instruction-set flags (a home directory shared by unlike machines gets one
-build per kind), and checked against a torch reference before first use. Where any of that fails,
+It is built with the system C compiler the first time a runner asks for it (cpu_kernels.py: about
+a second, then cached per source, compiler and CPU) and checked against a torch reference before
+first use. Where any of that fails,
 `unavailable()` says why and the runner keeps torch's kernels.
 
 Scope: fp32 stores, head sizes that are multiples of 8 up to 256 (64 and 128 get unrolled loops).
@@ -22,83 +21,18 @@ This module knows nothing about models or requests: it sees tensors and a row ta
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from .cpu_kernels import build
+
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
 MODES = ("auto", "on", "off")
 
 log = logging.getLogger(__name__)
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): part of the build's cache key,
-    because the build targets this CPU (-march=native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _arch_flags() -> list[str]:
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i686"):
-        return ["-march=native"]
-    if machine in ("aarch64", "arm64"):
-        return ["-mcpu=native"]
-    return []
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPECPIPE_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpipe", "kernels")
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:                                   # read-only home (some containers): a private temp dir
-        return Path(tempfile.mkdtemp(prefix="specpipe-kernels-"))
-
-
-def _build() -> Path:
-    """The shared library for this source, compiler and CPU: built once, then reused."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    cache = _cache_dir()
-    lib = cache / f"slot_attention-{key}.so"
-    if lib.exists():
-        return lib
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)                          # atomic: concurrent workers build the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
 
 
 class CpuAttention:
@@ -169,7 +103,7 @@ def _self_check(kernel: CpuAttention) -> None:
 @lru_cache(maxsize=None)
 def _load() -> tuple[CpuAttention | None, str | None]:
     try:
-        kernel = CpuAttention(_build())
+        kernel = CpuAttention(build(SOURCE))
         _self_check(kernel)
         return kernel, None
     except Exception as e:                               # noqa: BLE001 - any failure: keep torch's kernels

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers for CPU decoding.
+"""Linear layers for CPU decoding: our panel kernel (fp32), else oneDNN-packed weights.
 
 A speculative round verifies a few tokens per sequence, so the target's linears multiply a weight by
 a handful of rows (M = 2..200). On CPU, torch's default `F.linear` (MKL sgemm on a plain weight) is
@@ -16,12 +16,36 @@ its size in memory (SmolLM2-135M: 113 MB fp32; Qwen2.5-1.5B: 0.9 GB).
 Numerics: a packed linear's rows are as close to `F.linear`'s as `F.linear`'s own rows are to each
 other across batch sizes (neither is bitwise batch-invariant; ~1e-6 relative).
 
-This module knows nothing about the engine: `pack_linears(model)` swaps modules in place.
+Our kernel (csrc/panel_linear.c, fp32, CPUs with a C compiler; engine.cpu_linear, default auto)
+goes further at the small M of decoding. oneDNN's packed kernel reads a weight at ~16 GB/s with one
+row here, where the memory system gives 30-40: batch-1 decoding is a stream over all the weights, so
+that was most of a batch-1 step. The panel layout ([N/16, K, 16]: 16 outputs' weights side by side
+for each input index) makes one row a plain forward stream, and the same layout is the B operand
+of a register-blocked GEMM for many rows. Measured per linear on this box (bench/linear_kernels.py
+--kernels): 1.2-2.1x oneDNN's speed at M <= 8, level with it (within this box's spread) at 24-2048.
+It replaces oneDNN's packing where it is used (one copy of each weight, as before).
+
+This module knows nothing about the engine: `panel_linears(model, kernel)` / `pack_linears(model)`
+swap modules in place.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
 import torch
 from torch import nn
+
+from .cpu_kernels import build
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
+MODES = ("auto", "on", "off")
+PANEL = 16                                   # outputs per panel (the kernel's NR)
+
+log = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -53,18 +77,145 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zeros past N)."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+class PanelKernel:
+    """The loaded panel_linear.c. `kernel(x, panels, bias, n)` is `F.linear` for x [M, K] fp32."""
+
+    def __init__(self, path: Path):
+        self._lib = ctypes.CDLL(str(path))
+        fn = self._lib.panel_linear_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __deepcopy__(self, memo):                       # one loaded library per process: copies share it
+        return self
+
+    def __reduce__(self):                               # another process loads (or builds) its own
+        return _loaded, ()
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        m, k = x.shape
+        if x.dtype != torch.float32 or panels.shape[1:] != (k, PANEL) or panels.shape[0] * PANEL < n:
+            raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} does not fit panels {tuple(panels.shape)}")
+        return self.unchecked(x, panels, bias, n)
+
+    def unchecked(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The call without its shape checks, for a caller that made them once (PanelLinear): a batch-1
+        step makes ~200 of these calls, so microseconds each add up."""
+        x = x.contiguous()
+        m = x.shape[0]
+        y = x.new_empty((m, n))
+        if m:
+            self._fn(x.data_ptr(), m, x.shape[1], panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), n, torch.get_num_threads())
+        return y
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` with its weight regrouped once into 16-output panels for our kernel (CPU, fp32)."""
+
+    def __init__(self, linear: nn.Linear, kernel: PanelKernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("panels", to_panels(linear.weight.detach().float()), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"panel linear: expected [..., {self.in_features}] float32, got {tuple(x.shape)} {x.dtype}")
+        y = self._kernel.unchecked(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _self_check(kernel: PanelKernel) -> None:
+    """The built kernel against float64 `F.linear`: ragged M (1 row, one tile, tiles + a remainder,
+    K in chunks), N not a multiple of the panel, with and without bias."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, bias in ((1, 40, 37, True), (5, 16, 8, False), (13, 33, 600, True), (100, 24, 1030, False)):
+        w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+        b = torch.randn(n, generator=gen) if bias else None
+        got = kernel(x, to_panels(w), b, n)
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        if not err < 1e-5:
+            raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear at M={m}")
+
+
+@lru_cache(maxsize=None)
+def _load() -> tuple[PanelKernel | None, str | None]:
+    try:
+        kernel = PanelKernel(build(SOURCE))
+        _self_check(kernel)
+        return kernel, None
+    except Exception as e:                               # noqa: BLE001 - any failure: keep oneDNN / torch
+        log.warning("CPU linear kernel unavailable, oneDNN / torch linears instead: %s: %s", type(e).__name__, e)
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _loaded() -> PanelKernel:
+    return policy("on", torch.device("cpu"), torch.float32)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a runner with this device and weight dtype cannot use the panel kernel, else None.
+    Builds (or finds) and checks the kernel on first call."""
+    if torch.device(device).type != "cpu":
+        return f"device {torch.device(device).type}: the kernel is for CPUs"
+    if dtype != torch.float32:
+        return f"weight dtype {dtype}: the kernel is fp32 only"
+    return _load()[1]
+
+
+def policy(mode: str, device: torch.device, dtype: torch.dtype) -> PanelKernel | None:
+    """The panel kernel a runner uses under engine.cpu_linear = mode: auto (where it is available),
+    on (raises where not), off (None: oneDNN packing or torch's F.linear)."""
+    if mode not in MODES:
+        raise ValueError(f"engine.cpu_linear: expected one of {MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    reason = unavailable(device, dtype)
+    if reason is not None:
+        if mode == "on":
+            raise RuntimeError(f"engine.cpu_linear=on, but the kernel cannot be used: {reason}")
+        return None
+    return _load()[0]
+
+
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a PackedLinear, in place. Returns how many.
-    The caller checks `can_pack` first."""
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every `nn.Linear` of `model` by make(linear), in place. Returns how many."""
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:      # one at a time, holding no other dense weight: peak memory + one layer
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(getattr(parent, attr)))
-    # Weights loaded from safetensors are views of the checkpoint's memory map; packing touched all
+        setattr(parent, attr, make(getattr(parent, attr)))
+    # Weights loaded from safetensors are views of the checkpoint's memory map; regrouping touched all
     # its pages. Copying the few remaining parameters (embedding, norms) out of the map lets it go,
-    # so steady-state memory is the packed weights + those copies, not the checkpoint file on top.
+    # so steady-state memory is the regrouped weights + those copies, not the checkpoint file on top.
     for param in model.parameters():
         param.data = param.data.clone()
     return len(names)
+
+
+def panel_linears(model: nn.Module, kernel: PanelKernel) -> int:
+    """Replace every `nn.Linear` of `model` by a PanelLinear, in place. Returns how many."""
+    return _swap_linears(model, lambda linear: PanelLinear(linear, kernel))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a PackedLinear, in place. Returns how many.
+    The caller checks `can_pack` first."""
+    return _swap_linears(model, PackedLinear)

@@ -27,6 +27,7 @@ import torch
 
 from .adaptive import AdaptiveDraftLength, CostModel
 from .cpu_attention import MODES as CPU_ATTENTION_MODES
+from .cpu_linear import MODES as CPU_LINEAR_MODES
 from .drafters import DraftBatch, Drafter, NoDrafter
 from .logits import row_probs
 from .prefill import forward_history
@@ -43,12 +44,15 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # draft length g (the maximum, when adaptive)
     adaptive: bool = False           # per-sequence g from its acceptance and measured costs; may be 0
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
-    packed_linear: bool = True       # CPU: reorder linear weights once for oneDNN (ignored elsewhere)
+    packed_linear: bool = True       # CPU: regroup linear weights once for a faster kernel (cpu_linear's, else
+                                     # oneDNN's); false: torch's F.linear (ignored elsewhere)
     compile: str = "auto"            # compiled FlexAttention over the slot store (flex.py): auto (where
                                      # inductor can compile, on steps where it is the cheaper kernel) |
                                      # on (every step) | off (eager padded SDPA)
     cpu_attention: str = "auto"      # attention on CPU by our C kernel (cpu_attention.py), each row its own keys:
                                      # auto (where it builds, fp32) | on (raise where not) | off (torch)
+    cpu_linear: str = "auto"         # with packed_linear, on CPU: our C panel kernel (cpu_linear.py), fp32:
+                                     # auto (where it builds) | on (raise where not) | off (oneDNN's)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -61,6 +65,10 @@ class EngineConfig:
         if self.cpu_attention not in CPU_ATTENTION_MODES:
             raise ValueError(f"engine.cpu_attention: expected one of {CPU_ATTENTION_MODES}, "
                              f"got {self.cpu_attention!r}")
+        if self.cpu_linear not in CPU_LINEAR_MODES:
+            raise ValueError(f"engine.cpu_linear: expected one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
+        if self.cpu_linear == "on" and not self.packed_linear:
+            raise ValueError("engine.cpu_linear=on needs engine.packed_linear=true (false keeps torch's linears)")
 
 
 @dataclass

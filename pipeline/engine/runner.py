@@ -14,7 +14,8 @@ import inspect
 import torch
 
 from .cpu_attention import policy as cpu_attention_policy
-from .cpu_linear import can_pack, pack_linears
+from .cpu_linear import can_pack, pack_linears, panel_linears
+from .cpu_linear import policy as cpu_linear_policy
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
 
@@ -49,7 +50,7 @@ def _text_config(config):
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
-                 compile: str = "off", cpu_attention: str = "auto"):
+                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -68,9 +69,14 @@ class ModelRunner:
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
-        # On CPU, reorder the linear weights once for oneDNN: verifying a few tokens per sequence
-        # then costs little more than one (see cpu_linear.py). Mutates the model in place.
-        self.packed_linears = pack_linears(model) if pack_linear and can_pack(self.device, self.dtype) else 0
+        # On CPU, regroup the linear weights once for our panel kernel (fp32), else reorder them for
+        # oneDNN: a decoding step then streams the weights at memory speed, and verifying a few tokens
+        # per sequence costs little more than one (see cpu_linear.py). Mutates the model in place.
+        # pack_linear=False leaves the model's linears alone (torch's F.linear).
+        self.cpu_linear = cpu_linear_policy(cpu_linear, self.device, self.dtype) if pack_linear else None
+        self.panel_linears = panel_linears(model, self.cpu_linear) if self.cpu_linear is not None else 0
+        self.packed_linears = (pack_linears(model) if not self.panel_linears and pack_linear
+                               and can_pack(self.device, self.dtype) else 0)
         # Route attention through the slot store. Calls without `slot_step` (e.g. HF generate on the
         # same model object) fall through to SDPA, so the model stays usable elsewhere.
         register_attention()

@@ -1,0 +1,82 @@
+"""Building our C kernels (csrc/*.c) for the CPU this process runs on.
+
+Each kernel is one C file, built with the system C compiler the first time a runner asks for it
+(about a second): -O3, the host's own vector instructions (-march=native), OpenMP (torch's runtime
+is the one loaded). The shared library is cached under SPECPIPE_KERNEL_CACHE (default
+~/.cache/specpipe/kernels), keyed by the source, the compiler and the CPU's instruction-set flags, so
+a home directory shared by unlike machines gets one build per kind, and a source edit rebuilds.
+Concurrent workers may build the same file: the last atomic rename wins, with identical content.
+
+The kernels' modules (cpu_attention.py, cpu_linear.py) load the library with ctypes and check it
+against a torch reference before first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): part of the build's cache key,
+    because the build targets this CPU (-march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _arch_flags() -> list[str]:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECPIPE_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpipe", "kernels")
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:                                   # read-only home (some containers): a private temp dir
+        return Path(tempfile.mkdtemp(prefix="specpipe-kernels-"))
+
+
+def build(source: Path) -> Path:
+    """The shared library for this C source, compiler and CPU: built once, then reused."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    lib = cache / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)                          # atomic: concurrent workers build the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib

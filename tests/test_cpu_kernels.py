@@ -1,0 +1,149 @@
+"""Our C kernels' build (pipeline/engine/cpu_kernels.py) and the panel linear kernel
+(pipeline/engine/cpu_linear.py, csrc/panel_linear.c): against float64 F.linear over every tile
+shape, through the runner against torch's linears, the engine's greedy output through it against
+Hugging Face generate, and the engine.cpu_linear modes. (The greedy-identity, KV-invariant and
+chi-square tests run the engine on it too: it is the default on CPU fp32.)"""
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
+from pipeline.config import ConfigError, load_config
+from pipeline.engine import SamplingParams, cpu_attention, cpu_kernels, cpu_linear
+from pipeline.engine.engine import EngineConfig
+from pipeline.engine.runner import ModelRunner
+
+# Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
+                                reason="no C compiler here: the kernels cannot be built")
+
+
+@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_linear.SOURCE], ids=lambda p: p.stem)
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernels.build(source)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build(source) == first and first.stat().st_mtime_ns == mtime    # reused, not rebuilt
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : some other cpu")
+    assert cpu_kernels.build(source) != first                                          # another CPU: its own build
+    assert len(list(tmp_path.glob(f"{source.stem}-*.so"))) == 2
+
+
+def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false"):
+        cpu_kernels.build(cpu_linear.SOURCE)
+    assert list(tmp_path.iterdir()) == []                                              # no half-written file
+
+
+def kernel() -> cpu_linear.PanelKernel:
+    return cpu_linear.policy("on", torch.device("cpu"), torch.float32)
+
+
+def test_panels_layout():
+    """Panel p, row k holds W[16p .. 16p + 15, k]; outputs past N are zero."""
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    panels = cpu_linear.to_panels(w)
+    assert panels.shape == (3, 3, 16)
+    for n in range(48):
+        for k in range(3):
+            assert panels[n // 16, k, n % 16] == (w[n, k] if n < 40 else 0)
+
+
+# rows: one (the stream), 2-5 (a partial tile), 6 (one tile), 7 and 97 (tiles + a remainder, more than
+# one 96-row block); k: 1, odd, > one 512 chunk; n: < one panel, a panel and a partial panel.
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 97, 200])
+@pytest.mark.parametrize("n,k", [(3, 1), (16, 37), (40, 513), (33, 1100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_float64_linear(m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = kernel()(x, cpu_linear.to_panels(w), b, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    # terms of size ~1: fp32 rounding over k of them stays well under 1e-5 * sqrt(k); a dropped or
+    # doubled term, a wrong panel or a missing bias is off by ~1
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * k ** 0.5)
+
+
+def test_kernel_rejects_a_mismatched_input():
+    panels = cpu_linear.to_panels(torch.randn(20, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel()(torch.randn(3, 9), panels, None, 20)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel()(torch.randn(3, 8, dtype=torch.float64), panels, None, 20)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_linear(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    panel = cpu_linear.PanelLinear(linear, kernel())
+    for shape in ((5, 96), (1, 7, 96), (2, 3, 96), (0, 96)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(4, 192)[:, ::2]                               # a non-contiguous input
+    torch.testing.assert_close(panel(strided), linear(strided), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 96\] float32"):
+        panel(torch.randn(2, 95))
+
+
+def test_a_model_with_panels_copies_and_pickles():
+    model = tiny_llama(seed=4)
+    cpu_linear.panel_linears(model, kernel())
+    ids = torch.tensor([mixed_prompts(1, 512, seed=2)[0]])
+    with torch.no_grad():
+        want = model(ids).logits
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(other(ids).logits, want, rtol=0, atol=0)
+
+
+def test_runner_uses_panels_by_default_on_cpu_fp32():
+    model = tiny_llama(seed=3)
+    plain = copy.deepcopy(model)
+    runner = ModelRunner(model, 2, 64)
+    num_linear = sum(type(m) is nn.Linear for m in plain.modules())
+    assert runner.panel_linears == num_linear > 0 and runner.packed_linears == 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    off = ModelRunner(tiny_llama(), 2, 64, cpu_linear="off")                  # oneDNN's packing instead
+    assert off.panel_linears == 0 and off.cpu_linear is None
+
+
+@pytest.mark.parametrize("kind", ["none", "draft-greedy"])
+def test_engine_greedy_equals_hf_generate(target_model, draft_model, kind):
+    """The engine with panel linears (its own copy) against HF generate on the fixture model."""
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, cpu_linear="on")
+    assert engine.target.panel_linears > 0
+    prompts = mixed_prompts(8, 512, seed=11)
+    done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 12), f"prompt {i}"
+
+
+def test_modes():
+    cpu = torch.device("cpu")
+    assert cpu_linear.policy("off", cpu, torch.float32) is None
+    assert cpu_linear.policy("auto", cpu, torch.float32) is not None
+    assert cpu_linear.policy("auto", cpu, torch.bfloat16) is None                   # oneDNN / torch then
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_linear.policy("on", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="engine.cpu_linear"):
+        cpu_linear.policy("maybe", cpu, torch.float32)
+    with pytest.raises(ValueError, match="packed_linear"):
+        EngineConfig(cpu_linear="on", packed_linear=False)
+
+
+def test_config_key(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("engine:\n  cpu_linear: off\n")                     # YAML 1.1 reads a bare off as False
+    assert load_config(str(path)).engine.cpu_linear == "off"
+    assert load_config(None, []).engine.cpu_linear == "auto"
+    with pytest.raises(ConfigError, match="engine.cpu_linear"):
+        load_config(None, ["engine.cpu_linear=sometimes"])
