@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
-def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto") -> list[dict]:
+def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto",
+          cpu_linear: str = "auto") -> list[dict]:
     """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group.
     all_seqs: our engine's max_num_seqs for the all-at-once configurations (running sequences)."""
     spec = "ngram" if model == "smollm2" else "draft"
     eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch),
-                                          "--compile", compile, *extra]
+                                          "--compile", compile, "--cpu-linear", cpu_linear, *extra]
     configs = [
         # all prompts at once
         {"name": "hf_static_b16", "n": n_all, "args": ["--mode", "hf-static", "--batch", "16"]},
@@ -183,6 +184,8 @@ def main() -> None:
                     "pipeline/hardware.py picks for this machine's CPU (resolved once, here)")
     ap.add_argument("--all-seqs", type=int, default=32, help="our max_num_seqs in the all-at-once configurations")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
+    ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
+                    help="our engine.cpu_linear (off: oneDNN-packed linears)")
     ap.add_argument("--only", nargs="*", help="run only these config names")
     ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
@@ -194,7 +197,7 @@ def main() -> None:
     for n in {args.n_all, args.n_b1}:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
-    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile)
+    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile, args.cpu_linear)
                if not args.only or c["name"] in args.only]
     dtype = resolve_dtype(args.dtype, "cpu")     # concrete for every system (vLLM's own `auto` differs)
     print(f"dtype: {dtype.describe()}", flush=True)
