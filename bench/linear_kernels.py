@@ -1,12 +1,16 @@
-"""Why the engine packs its linears on CPU: torch's `F.linear` against the oneDNN-packed linear
-(pipeline/engine/cpu_linear.py) at verify shapes.
+"""The CPU linear kernels side by side at the shapes a forward has: torch's `F.linear`, oneDNN's
+packed linear and our panel kernel (pipeline/engine/cpu_linear.py, csrc/panel_linear.c).
 
-    .venv/bin/python -m bench.linear_kernels --threads 2
+    .venv/bin/python -m bench.linear_kernels --threads 2 --weights qwen-mlp
+    .venv/bin/python -m bench.linear_kernels --threads 2 --weights smollm2 --rows 1 2 4 8 24 64 256 2048
 
-Eight [8960 x 1536] fp32 weights (one Qwen2.5-1.5B MLP projection each, 440 MB together, far more
-than the caches, as in a real forward) times M rows, M = the tokens of one forward (1 = plain
-decoding at batch 1, 5 = verifying 4 draft tokens, 40 = batch 8 x 5). Median of 20 timed calls after
-2 warm-ups, in milliseconds for all eight weights.
+Weights (fp32, far more than the caches together, as in a real forward):
+  qwen-mlp  eight [8960 x 1536] (one Qwen2.5-1.5B MLP projection each, 440 MB)
+  smollm2   every linear of SmolLM2-135M (30 layers x q, k, v, o, gate, up, down, and the 49152-row
+            lm_head: 540 MB), i.e. the linears of one whole forward
+times M rows, M = the tokens of one forward (1 = plain decoding at batch 1, 5 = verifying 4 draft
+tokens, 40 = batch 8 x 5, 2048 = a prefill chunk). Median of --repeats timed passes after 2 warm-ups,
+in milliseconds for all the weights, and GB/s of weight read (what bounds small M) for each kernel.
 """
 from __future__ import annotations
 
@@ -17,10 +21,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeline.engine.cpu_linear import PackedLinear
+from pipeline.engine.cpu_linear import PackedLinear, PanelLinear, policy
+
+SHAPES = {   # (out, in, count)
+    "qwen-mlp": [(8960, 1536, 8)],
+    "smollm2": [(576, 576, 60), (192, 576, 60), (1536, 576, 60), (576, 1536, 30), (49152, 576, 1)],
+}
 
 
-def median_ms(fn, repeats: int = 20) -> float:
+def median_ms(fn, repeats: int) -> float:
     fn()
     fn()
     times = []
@@ -32,26 +41,37 @@ def median_ms(fn, repeats: int = 20) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="qwen-mlp", choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8, 16, 40])
+    ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    kernel = policy("on", torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(0)
-    linears = [torch.nn.Linear(1536, 8960, bias=False) for _ in range(8)]
-    for lin in linears:
-        lin.weight.data = torch.randn(8960, 1536, generator=gen)
+    linears = []
+    for out_f, in_f, count in SHAPES[args.weights]:
+        for _ in range(count):
+            lin = torch.nn.Linear(in_f, out_f, bias=False)
+            lin.weight.data = torch.randn(out_f, in_f, generator=gen)
+            linears.append(lin)
+    weight_gb = sum(lin.weight.numel() for lin in linears) * 4 / 1e9
     packed = [PackedLinear(lin) for lin in linears]
+    panels = [PanelLinear(lin, kernel) for lin in linears]
     rows = []
-    print("| rows | F.linear ms | packed ms | F.linear / packed | F.linear vs 1 row | packed vs 1 row |\n|---|---|---|---|---|---|")
+    print(f"{args.weights}: {len(linears)} weights, {weight_gb:.2f} GB fp32, {args.threads} threads")
+    print("| rows | F.linear ms | oneDNN packed ms | panel ms | packed / panel | panel GB/s | panel vs 1 row |\n"
+          "|---|---|---|---|---|---|---|")
     for m in args.rows:
-        x = torch.randn(m, 1536, generator=gen)
+        xs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen) for lin in linears}
         with torch.no_grad():
-            plain = median_ms(lambda: [F.linear(x, lin.weight) for lin in linears])
-            fast = median_ms(lambda: [p(x) for p in packed])
-        rows.append({"rows": m, "f_linear_ms": plain, "packed_ms": fast})
-        print(f"| {m} | {plain:.1f} | {fast:.1f} | {plain / fast:.2f}x | {plain / rows[0]['f_linear_ms']:.2f}x | "
-              f"{fast / rows[0]['packed_ms']:.2f}x |", flush=True)
+            plain = median_ms(lambda: [F.linear(xs[lin.in_features], lin.weight) for lin in linears], args.repeats)
+            onednn = median_ms(lambda: [p(xs[p.in_features]) for p in packed], args.repeats)
+            ours = median_ms(lambda: [p(xs[p.in_features]) for p in panels], args.repeats)
+        rows.append({"rows": m, "f_linear_ms": plain, "packed_ms": onednn, "panel_ms": ours})
+        print(f"| {m} | {plain:.1f} | {onednn:.1f} | {ours:.1f} | {onednn / ours:.2f}x | {weight_gb / ours * 1e3:.1f} | "
+              f"{ours / rows[0]['panel_ms']:.2f}x |", flush=True)
     print(json.dumps(rows))
 
 

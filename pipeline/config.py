@@ -120,7 +120,8 @@ class EngineSection:
                                     # else oneDNN's); false: torch's F.linear (ignored on CUDA)
     compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
                                     # own KV blocks (auto: where inductor can compile, on steps where that
-                                    # beats padding every row to the longest; on: every step; off: eager)
+                                    # beats padding every row to the longest; on: every step; off: eager),
+                                    # for the forwards our CPU kernel does not take (cpu_attention below)
     cpu_attention: str = "auto"     # auto | on | off: attention on CPU by our C kernel, each row its own keys
                                     # (pipeline/engine/cpu_attention.py; fp32, built at first use with
                                     # the system C compiler; auto: where it builds, else torch's kernels)
