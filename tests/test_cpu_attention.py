@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from pipeline.config import ConfigError, load_config
 from pipeline.engine import cpu_attention, cpu_kernels
 from pipeline.engine.runner import ModelRunner
 
@@ -76,12 +75,3 @@ def test_modes():
         cpu_attention.policy("on", cpu, torch.float32, 20)
     with pytest.raises(ValueError, match="engine.cpu_attention"):
         cpu_attention.policy("maybe", cpu, torch.float32, 64)
-
-
-def test_config_key(tmp_path):
-    path = tmp_path / "job.yaml"
-    path.write_text("engine:\n  cpu_attention: off\n")                 # YAML 1.1 reads a bare off as False
-    assert load_config(str(path)).engine.cpu_attention == "off"
-    assert load_config(None, []).engine.cpu_attention == "auto"
-    with pytest.raises(ConfigError, match="engine.cpu_attention"):
-        load_config(None, ["engine.cpu_attention=sometimes"])

@@ -1,7 +1,7 @@
 """oneDNN-packed linears (pipeline/engine/cpu_linear.py, where our panel kernel is off or cannot be
 built): same function as nn.Linear, swapped in by the runner on CPU unless disabled, and the
-engine's greedy output through them equals plain Hugging Face decoding of the unpacked model.
-Our panel kernel: test_cpu_kernels.py."""
+engine's greedy output through them, and through our panel kernel, equals plain Hugging Face
+decoding of the unpacked model. The panel kernel itself: test_cpu_kernels.py."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import ModelRunner, SamplingParams
+from pipeline.engine.cpu_kernels import compiler
 from pipeline.engine.cpu_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
@@ -50,11 +51,14 @@ def test_runner_packs_on_cpu_unless_disabled():
     assert any(type(m) is nn.Linear for m in off.model.modules())
 
 
+@pytest.mark.parametrize("linear", ["off", "on"])
 @pytest.mark.parametrize("kind", ["none", "draft-greedy"])
-def test_packed_engine_greedy_equals_unpacked_reference(target_model, draft_model, kind):
-    """The engine (packed, its own copy) against HF generate on the unpacked fixture model."""
-    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, cpu_linear="off")
-    assert engine.target.packed_linears > 0
+def test_engine_greedy_equals_unpacked_reference(target_model, draft_model, kind, linear):
+    """The engine (oneDNN-packed or panel linears, its own copy) against HF generate on the fixture model."""
+    if linear == "on" and compiler() is None:
+        pytest.skip("no C compiler here: the panel kernel cannot be built")
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, cpu_linear=linear)
+    assert (engine.target.packed_linears if linear == "off" else engine.target.panel_linears) > 0
     prompts = mixed_prompts(8, 512, seed=11)
     done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0))
     for i, prompt in enumerate(prompts):

@@ -21,18 +21,16 @@ This module knows nothing about models or requests: it sees tensors and a row ta
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .cpu_kernels import build
+from .cpu_kernels import load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
 MODES = ("auto", "on", "off")
 
-log = logging.getLogger(__name__)
 
 
 class CpuAttention:
@@ -102,13 +100,7 @@ def _self_check(kernel: CpuAttention) -> None:
 
 @lru_cache(maxsize=None)
 def _load() -> tuple[CpuAttention | None, str | None]:
-    try:
-        kernel = CpuAttention(build(SOURCE))
-        _self_check(kernel)
-        return kernel, None
-    except Exception as e:                               # noqa: BLE001 - any failure: keep torch's kernels
-        log.warning("CPU attention kernel unavailable, torch's kernels attend instead: %s: %s", type(e).__name__, e)
-        return None, f"{type(e).__name__}: {e}"
+    return load_checked(SOURCE, CpuAttention, _self_check, "torch's attention kernels")
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

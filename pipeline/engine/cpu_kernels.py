@@ -13,12 +13,17 @@ against a torch reference before first use.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
+
+K = TypeVar("K")
+log = logging.getLogger(__name__)
 
 
 def compiler() -> str | None:
@@ -80,3 +85,16 @@ def build(source: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], None],
+                 instead: str) -> tuple[K | None, str | None]:
+    """Build (or find) the library for `source`, wrap it and check it against its reference:
+    (kernel, None), or (None, why) on any failure, logged with what runs `instead`."""
+    try:
+        kernel = wrap(build(source))
+        check(kernel)
+        return kernel, None
+    except Exception as e:                               # noqa: BLE001 - any failure: the caller falls back
+        log.warning("%s kernel unavailable, %s instead: %s: %s", source.stem, instead, type(e).__name__, e)
+        return None, f"{type(e).__name__}: {e}"

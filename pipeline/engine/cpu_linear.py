@@ -31,7 +31,6 @@ swap modules in place.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -39,13 +38,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .cpu_kernels import build
+from .cpu_kernels import load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
 MODES = ("auto", "on", "off")
 PANEL = 16                                   # outputs per panel (the kernel's NR)
 
-log = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -156,13 +154,7 @@ def _self_check(kernel: PanelKernel) -> None:
 
 @lru_cache(maxsize=None)
 def _load() -> tuple[PanelKernel | None, str | None]:
-    try:
-        kernel = PanelKernel(build(SOURCE))
-        _self_check(kernel)
-        return kernel, None
-    except Exception as e:                               # noqa: BLE001 - any failure: keep oneDNN / torch
-        log.warning("CPU linear kernel unavailable, oneDNN / torch linears instead: %s: %s", type(e).__name__, e)
-        return None, f"{type(e).__name__}: {e}"
+    return load_checked(SOURCE, PanelKernel, _self_check, "oneDNN / torch linears")
 
 
 def _loaded() -> PanelKernel:
