@@ -47,6 +47,22 @@ def test_first_position_sees_only_itself():
     torch.testing.assert_close(out[0], v_store[slot].repeat_interleave(3, 0)[:, 0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("length", [37, 40])
+def test_rows_whose_every_score_is_very_negative(length):
+    """Every key scores ~-240 (real models have such heads: Qwen2.5-1.5B does). The softmax is
+    shift-invariant, so the output is still the reference's. A kernel that padded the last 8-key
+    group with -87 took that as the row's maximum when the length is not a multiple of 8 (37) and
+    was off by ~2; found on Qwen's real logits (5.2 off), not by random inputs."""
+    gen = torch.Generator().manual_seed(0)
+    k_store = torch.randn(1, 1, 48, 64, generator=gen) * 0.1 - 1.0
+    v_store = torch.randn(1, 1, 48, 64, generator=gen)
+    query = torch.full((1, 1, 64), 30.0) + torch.randn(1, 1, 64, generator=gen)
+    table = torch.tensor([[0], [length - 1], [1], [0]])
+    got = cpu_attention.kernel()(query, k_store, v_store, table, 0.125)
+    want = cpu_attention.reference(query, k_store, v_store, table, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_runner_logits_equal_padded_sdpa():
     """A verify-shaped step (rows of 1 to 5 tokens, non-contiguous slots, mixed lengths) through the
     model: the kernel's logits equal torch's padded SDPA path's."""

@@ -17,6 +17,7 @@
  * per key), a softmax with an exponential written as vector code (2^k times a degree-6
  * polynomial, relative error ~1e-7), then out = p V. Returns 0, or -1 when scratch memory ran out.
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,7 +47,9 @@ static float softmax_numerators(float *x, int64_t m) {
     const float lo = -87.0f;                              /* e^-87 ~ 1.6e-38: the smallest normal */
     const v8 lov = {lo, lo, lo, lo, lo, lo, lo, lo};
     int64_t n8 = (m + 7) & ~(int64_t)7;
-    for (int64_t i = m; i < n8; i++) x[i] = lo;
+    /* The padding lanes must never be the maximum: with `lo` there, a row whose every score is
+     * below -87 (real models have such heads) took -87 as its max and lost its softmax. */
+    for (int64_t i = m; i < n8; i++) x[i] = -FLT_MAX;
     v8 mxv = load8(x);
     for (int64_t i = 8; i < n8; i += 8) {
         v8 v = load8(x + i);
