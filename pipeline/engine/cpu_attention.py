@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .cpu_kernels import load_checked
+from .cpu_kernels import MODES, choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
-MODES = ("auto", "on", "off")
 
 
 
@@ -125,13 +124,4 @@ def kernel() -> CpuAttention:
 def policy(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuAttention | None:
     """The kernel a runner uses under engine.cpu_attention = mode: auto (where
     it is available), on (raises where not), off (None: torch's kernels)."""
-    if mode not in MODES:
-        raise ValueError(f"engine.cpu_attention: expected one of {MODES}, got {mode!r}")
-    if mode == "off":
-        return None
-    reason = unavailable(device, dtype, head_dim)
-    if reason is not None:
-        if mode == "on":
-            raise RuntimeError(f"engine.cpu_attention=on, but the kernel cannot be used: {reason}")
-        return None
-    return kernel()
+    return choose("cpu_attention", mode, lambda: unavailable(device, dtype, head_dim), kernel)

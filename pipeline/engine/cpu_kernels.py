@@ -98,3 +98,21 @@ def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], N
     except Exception as e:                               # noqa: BLE001 - any failure: the caller falls back
         log.warning("%s kernel unavailable, %s instead: %s: %s", source.stem, instead, type(e).__name__, e)
         return None, f"{type(e).__name__}: {e}"
+
+
+MODES = ("auto", "on", "off")
+
+
+def choose(key: str, mode: str, why_not: Callable[[], str | None], load: Callable[[], K]) -> K | None:
+    """A kernel under engine.<key> = mode: auto (where `why_not()` says nothing), on (raises with its
+    reason where not), off (None: the caller's torch/oneDNN path)."""
+    if mode not in MODES:
+        raise ValueError(f"engine.{key}: expected one of {MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    reason = why_not()
+    if reason is not None:
+        if mode == "on":
+            raise RuntimeError(f"engine.{key}=on, but the kernel cannot be used: {reason}")
+        return None
+    return load()

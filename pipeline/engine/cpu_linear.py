@@ -21,8 +21,9 @@ goes further at the small M of decoding. oneDNN's packed kernel reads a weight a
 row here, where the memory system gives 30-40: batch-1 decoding is a stream over all the weights, so
 that was most of a batch-1 step. The panel layout ([N/16, K, 16]: 16 outputs' weights side by side
 for each input index) makes one row a plain forward stream, and the same layout is the B operand
-of a register-blocked GEMM for many rows. Measured per linear on this box (bench/linear_kernels.py
---kernels): 1.2-2.1x oneDNN's speed at M <= 8, level with it (within this box's spread) at 24-2048.
+of a register-blocked GEMM for many rows. Measured on SmolLM2's 211 weights on this box
+(bench/linear_kernels.py --weights smollm2): 1.2-2.6x oneDNN's speed at 1-24 rows, level at 64 and
+2048, 0.82x at 256 (bench/RESULTS.md, "Session 5").
 It replaces oneDNN's packing where it is used (one copy of each weight, as before).
 
 This module knows nothing about the engine: `panel_linears(model, kernel)` / `pack_linears(model)`
@@ -38,10 +39,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .cpu_kernels import load_checked
+from .cpu_kernels import MODES, choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
-MODES = ("auto", "on", "off")
 PANEL = 16                                   # outputs per panel (the kernel's NR)
 
 
@@ -174,16 +174,7 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 def policy(mode: str, device: torch.device, dtype: torch.dtype) -> PanelKernel | None:
     """The panel kernel a runner uses under engine.cpu_linear = mode: auto (where it is available),
     on (raises where not), off (None: oneDNN packing or torch's F.linear)."""
-    if mode not in MODES:
-        raise ValueError(f"engine.cpu_linear: expected one of {MODES}, got {mode!r}")
-    if mode == "off":
-        return None
-    reason = unavailable(device, dtype)
-    if reason is not None:
-        if mode == "on":
-            raise RuntimeError(f"engine.cpu_linear=on, but the kernel cannot be used: {reason}")
-        return None
-    return _load()[0]
+    return choose("cpu_linear", mode, lambda: unavailable(device, dtype), lambda: _load()[0])
 
 
 @torch.no_grad()
