@@ -10,9 +10,10 @@ the drafter proposes up to g tokens after the committed history, the accepted on
 prefix equal to the recorded continuation, plus one token from the target. On sampled output the
 replay is exact in distribution for token-only drafts: a draft token x is accepted with probability
 p(x), the probability that the recorded sample is x; so drafters compared on the same recorded
-samples are compared paired, without the sample-to-sample spread of separate runs. The one approximation
-is the worker-wide suffix cache: sequence i joins it when sequence i + batch starts (the order of a
-continuous batch of `batch` sequences whose lengths are alike). Tokens per round is what the
+samples are compared paired, without the sample-to-sample spread of separate runs. The batch is replayed
+round by round (at most `batch` running, admitted in order as slots free), so the worker-wide suffix
+index sees finished and running sequences when the engine's would; the one approximation is that
+prefill takes no rounds of its own. Tokens per round is what the
 drafter buys; what a round costs is the engine bench's to measure (drafted tokens/round says how
 much more the verify forward carries).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 
 from pipeline.engine.drafters import NgramDrafter
 from pipeline.engine.request import SamplingParams, Sequence
@@ -27,24 +29,30 @@ from pipeline.engine.suffix import SuffixDrafter, SuffixParams
 
 
 def replay(drafter, prompts: list[list[int]], outputs: list[list[int]], batch: int, g: int) -> dict:
+    """Rounds of a continuous batch of at most `batch` sequences, admitted in input order as slots
+    free, each round proposing for every running sequence before any commits (the engine's order)."""
+    waiting, running = deque(range(len(prompts))), []
     rounds = drafted = accepted = 0
-    seqs = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        if i >= batch and isinstance(drafter, SuffixDrafter):
-            drafter.release(seqs[i - batch])
-        seq = Sequence(f"s{i}", list(prompt), SamplingParams(max_tokens=len(out)), seed=0)
-        seqs.append(seq)
-        while len(seq.output_ids) < len(out):
-            pos = len(seq.output_ids)
-            left = len(out) - pos
-            draft = drafter.lookup(seq, min(g, left - 1)) if left > 1 else []
-            n = 0
+    while waiting or running:
+        while waiting and len(running) < batch:
+            i = waiting.popleft()
+            running.append((Sequence(f"s{i}", list(prompts[i]), SamplingParams(max_tokens=len(outputs[i])), seed=0),
+                            outputs[i]))
+        drafts = []
+        for seq, out in running:
+            left = len(out) - len(seq.output_ids)
+            drafts.append(drafter.lookup(seq, min(g, left - 1)) if left > 1 else [])
+        for (seq, out), draft in zip(running, drafts):
+            pos, n = len(seq.output_ids), 0
             while n < len(draft) and draft[n] == out[pos + n]:
                 n += 1
             seq.output_ids.extend(out[pos:pos + n + 1])
-            if isinstance(drafter, SuffixDrafter):
-                drafter.on_commit([seq])
             rounds, drafted, accepted = rounds + 1, drafted + len(draft), accepted + n
+        drafter.on_commit([seq for seq, _ in running])
+        for seq, out in running:
+            if len(seq.output_ids) == len(out):
+                drafter.release(seq)
+        running = [(seq, out) for seq, out in running if len(seq.output_ids) < len(out)]
     emitted = sum(len(o) for o in outputs)
     return {"tokens_per_round": emitted / rounds, "drafted_per_round": drafted / rounds,
             "acceptance": accepted / drafted if drafted else None}

@@ -43,6 +43,7 @@ class SuffixSection:
     min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
     max_spec_factor: float = 1.0      # at most factor * match length draft tokens
     max_cached_tokens: int = 32768    # worker-wide index over finished sequences, oldest evicted (0: off)
+    index_running: bool = True        # the worker-wide index also holds running sequences' text as committed
 
     def __post_init__(self):
         try:

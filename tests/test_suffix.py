@@ -156,6 +156,85 @@ def test_cache_off_and_zero_length():
     assert batch.num_draft == [2, 0] and batch.tokens(0) == [3, 1] and batch.draft_probs is None   # 1 x match [1, 2]
 
 
+def test_running_texts_are_indexed_as_they_grow_and_finish_in_order():
+    rng = random.Random(5)
+    depth, cap = 6, 400
+    cache = SuffixCache(max_depth=depth, max_tokens=cap)
+    running = {k: [] for k in range(3)}
+    finished = []
+    for step in range(200):
+        for key in list(running):
+            new = [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
+            running[key] += new
+            cache.extend(key, new)
+        if step % 7 == 6:                                    # one finishes, another starts
+            key = min(running)
+            cache.finish(key, running.pop(key))
+            finished.append(key)
+            running[max(running) + 1 if running else step] = []
+        indexed = [t for k, t in running.items() if cache.is_indexed(k)]
+        assert cache.num_tokens <= cap
+        assert all_paths(cache.trie) == brute_counts(list(cache._texts) + indexed, depth)
+    assert len(finished) > 20 and cache.num_sequences < len(finished)   # the oldest finished were evicted
+
+
+def test_running_texts_leave_when_the_cap_is_full_of_them_and_join_when_finished():
+    cache = SuffixCache(max_depth=4, max_tokens=10)
+    cache.add([9, 9, 9])
+    cache.extend("a", [1, 2, 3, 4, 5, 6])
+    cache.extend("b", [7, 8, 1])                             # evicts the finished [9, 9, 9] to fit
+    assert cache.num_sequences == 0 and cache.num_tokens == 9
+    cache.extend("b", [2, 3])                                # 11 > 10 and no finished text left: b leaves
+    assert not cache.is_indexed("b") and cache.is_indexed("a") and cache.num_tokens == 6
+    cache.extend("b", [4])                                   # stays out until it finishes
+    assert all_paths(cache.trie) == brute_counts([[1, 2, 3, 4, 5, 6]], 4)
+    cache.finish("b", [7, 8, 1, 2, 3, 4])                    # joins as a finished text: what fits beside a
+    assert cache.num_tokens == 10 and list(cache._texts) == [[1, 2, 3, 4]]
+    cache.finish("a", [1, 2, 3, 4, 5, 6, 0])                 # its last token first makes room (evicts b)
+    assert list(cache._texts) == [[1, 2, 3, 4, 5, 6, 0]] and cache.num_tokens == 7
+    assert all_paths(cache.trie) == brute_counts([[1, 2, 3, 4, 5, 6, 0]], 4)
+
+
+def test_counts_less_a_subset_trie_are_the_other_texts_counts():
+    """draft(..., minus=own) over a trie of others + own sees exactly a trie of the others."""
+    rng = random.Random(7)
+    depth = 6
+    for trial in range(30):
+        texts = [[rng.randrange(5) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+        own_text = texts[0]
+        everything, others, own = SuffixTrie(depth), SuffixTrie(depth), RequestIndex(depth)
+        for t in texts:
+            everything.add(t)
+        for t in texts[1:]:
+            others.add(t)
+        own.append(own_text)
+        for _ in range(20):
+            context = [rng.randrange(5) for _ in range(rng.randrange(1, 8))]
+            assert everything.longest_match(context, 5, own)[0] == others.longest_match(context, 5)[0]
+            node = everything.find(context)
+            want = others.find(context)
+            if node is None or want is None:
+                continue
+            got = everything.walk(node, 1, 0.0, own, own.find(context))     # most frequent / total,
+            assert got[1] == pytest.approx(others.walk(want, 1, 0.0)[1])    # whichever of a tie
+
+
+def test_running_sequences_draft_from_each_other():
+    prompt, answer = [5, 6, 7], [1, 2, 3, 4, 1, 2, 8, 9]
+    for index_running in (True, False):
+        drafter = SuffixDrafter(SuffixParams(min_match=2, max_spec_factor=4.0, index_running=index_running))
+        ahead, behind = seq_of(prompt, answer), seq_of(prompt, answer[:2])
+        drafter.on_commit([ahead, behind])                   # both running; neither has finished
+        # behind's own history has 1 2 -> nothing yet; ahead's text continues 1 2 with 3 4 and 8 9
+        assert drafter.lookup(behind, 2) == ([3, 4] if index_running else [])
+        assert drafter._own[behind].draft(behind.all_ids(), 2, drafter.params) == ([], 0.0)
+    drafter = SuffixDrafter(SuffixParams(min_match=2, max_spec_factor=4.0))
+    alone = seq_of(prompt, answer)
+    drafter.on_commit([alone])                               # its own text is not counted twice
+    assert drafter.cache.trie.draft(alone.all_ids(), 4, drafter.params, drafter._own[alone]) == ([], 0.0)
+    assert drafter.lookup(alone, 4) == drafter._own[alone].draft(alone.all_ids()[-16:], 4, drafter.params)[0]
+
+
 # ---- through the engine -----------------------------------------------------------------------------
 def templated_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Prompts sharing a template with a varying slot: the worker-wide index has something to find."""

@@ -6,9 +6,13 @@ Two indexes of one kind, a suffix trie bounded in depth (`SuffixTrie`: every sub
 
 - per request (`RequestIndex`): the sequence's own prompt + committed output, extended as tokens are
   committed (only ever appended: drafts are not committed);
-- worker-wide (`SuffixCache`): prompt + output of the sequences that finished in this worker, at most
-  `max_cached_tokens` tokens; the oldest sequence is evicted first, its counts subtracted and nodes
-  that reach zero pruned, so memory stays bounded under a long job (at most tokens * max_depth nodes).
+- worker-wide (`SuffixCache`): prompt + output of the sequences that finished in this worker and,
+  with `index_running` (the default, as SuffixDecoding's global tree takes active responses), of
+  the running ones too, extended as their tokens are committed: two samples of one prompt running
+  side by side draft from each other. At most `max_cached_tokens` tokens in all; the oldest finished
+  sequence is evicted first, its counts subtracted and nodes that reach zero pruned, so memory stays
+  bounded under a long job (at most tokens * max_depth nodes). A running sequence that finds the cap
+  full of running sequences leaves the index until it finishes (then it joins as a finished one).
 
 Draft rule, per index: take the longest suffix of the sequence's tokens (at least `min_match`, at most
 max_depth - k tokens, so k draft tokens fit under the depth) that occurs followed by some token; from
@@ -16,7 +20,9 @@ its node, repeatedly take the most frequent child. A token's estimated probabili
 count(child) / (sum of the node's children counts) along the walk; stop before it falls below
 `min_prob`, at k tokens (the engine's length) and at floor(max_spec_factor * match length). The
 draft's score is the sum of those probabilities (its expected accepted length under the index);
-the per-request and worker-wide drafts compete on score, the per-request one winning ties.
+the per-request and worker-wide drafts compete on score, the per-request one winning ties. A running
+sequence's own text is subtracted from the worker-wide counts when it looks up (its per-request trie
+holds exactly that text), so the worker-wide draft is what the *other* sequences continued with.
 
 The index is plain Python (no torch). Drafts are token only (one-hot q), so the engine's verifier
 stays exact at any temperature. This module knows nothing about models, verification or rounds.
@@ -37,6 +43,7 @@ class SuffixParams:
     min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
     max_spec_factor: float = 1.0      # at most factor * match length draft tokens
     max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
+    index_running: bool = True        # the worker-wide index also holds running sequences' text, as committed
 
     def __post_init__(self):
         if not (isinstance(self.max_depth, int) and 2 <= self.max_depth <= 256):
@@ -49,6 +56,8 @@ class SuffixParams:
             raise ValueError(f"max_spec_factor: expected a number > 0, got {self.max_spec_factor!r}")
         if not (isinstance(self.max_cached_tokens, int) and self.max_cached_tokens >= 0):
             raise ValueError(f"max_cached_tokens: expected an integer >= 0, got {self.max_cached_tokens!r}")
+        if not isinstance(self.index_running, bool):
+            raise ValueError(f"index_running: expected true or false, got {self.index_running!r}")
 
 
 class SuffixTrie:
@@ -119,43 +128,72 @@ class SuffixTrie:
                 return None
         return node
 
-    def longest_match(self, context: list[int], max_len: int) -> tuple[int, int | None]:
-        """Longest suffix of `context` (at most max_len tokens) that occurs followed by a token, and
-        its node. A suffix that does implies its shorter suffixes do: binary search on the length."""
+    def _continues(self, node: int, minus: "SuffixTrie | None", minus_node: int | None) -> bool:
+        """Whether some token follows `node`'s path in the counts less minus's (continuations, cheaply)."""
+        if minus_node is None:
+            return bool(self.children[node])
+        minus_children, minus_count = minus.children[minus_node], minus.count
+        for token, child in self.children[node].items():
+            minus_child = minus_children.get(token)
+            if minus_child is None or self.count[child] > minus_count[minus_child]:
+                return True
+        return False
+
+    def longest_match(self, context: list[int], max_len: int,
+                      minus: "SuffixTrie | None" = None) -> tuple[int, int | None]:
+        """Longest suffix of `context` (at most max_len tokens) that occurs followed by a token (in
+        counts less `minus`'s), and its node. A suffix that does implies its shorter suffixes do:
+        binary search on the length."""
         lo, hi, best = 0, min(max_len, len(context), self.max_depth - 1), None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            node = self.find(context[len(context) - mid:])
-            if node is not None and self.children[node]:
+            pattern = context[len(context) - mid:]
+            node = self.find(pattern)
+            minus_node = minus.find(pattern) if minus is not None and node is not None else None
+            if node is not None and self._continues(node, minus, minus_node):
                 lo, best = mid, node
             else:
                 hi = mid - 1
         return lo, best
 
-    def walk(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def walk(self, node: int, limit: int, min_prob: float, minus: "SuffixTrie | None" = None,
+             minus_node: int | None = None) -> tuple[list[int], float]:
         """Most frequent continuation of `node`, at most `limit` tokens, each with estimated
-        probability >= min_prob. Returns (tokens, sum of their probabilities)."""
-        tokens, prob, score = [], 1.0, 0.0
-        while len(tokens) < limit and self.children[node]:
+        probability >= min_prob; with `minus` (minus_node: its node for the same path, None where it
+        lacks the path), counted here less minus's counts. Returns (tokens, sum of their probabilities)."""
+        tokens, prob, score, count = [], 1.0, 0.0, self.count
+        while len(tokens) < limit:
+            minus_children = minus.children[minus_node] if minus_node is not None else None
             total = best_count = 0
-            for token, child in self.children[node].items():
-                total += self.count[child]
-                if self.count[child] > best_count:
-                    best_token, best_child, best_count = token, child, self.count[child]
+            for token, child in self.children[node].items():      # hot loop
+                n, minus_child = count[child], None
+                if minus_children is not None:
+                    minus_child = minus_children.get(token)
+                    if minus_child is not None:
+                        n -= minus.count[minus_child]
+                total += n
+                if n > best_count:
+                    best_token, best_child, best_minus, best_count = token, child, minus_child, n
+            if not best_count:
+                break
             prob *= best_count / total
             if prob < min_prob:
                 break
             tokens.append(best_token)
             score += prob
-            node = best_child
+            node, minus_node = best_child, best_minus
         return tokens, score
 
-    def draft(self, context: list[int], k: int, params: SuffixParams) -> tuple[list[int], float]:
-        """Up to k draft tokens after `context` by the module's rule, and their score."""
-        length, node = self.longest_match(context, max(params.min_match, self.max_depth - k))
+    def draft(self, context: list[int], k: int, params: SuffixParams,
+              minus: "SuffixTrie | None" = None) -> tuple[list[int], float]:
+        """Up to k draft tokens after `context` by the module's rule, and their score; with `minus`,
+        from the counts here less minus's (a trie whose texts are all indexed here too)."""
+        length, node = self.longest_match(context, max(params.min_match, self.max_depth - k), minus)
         if length < params.min_match:
             return [], 0.0
-        return self.walk(node, min(k, int(params.max_spec_factor * length + 1e-9)), params.min_prob)
+        minus_node = minus.find(context[len(context) - length:]) if minus is not None else None
+        return self.walk(node, min(k, int(params.max_spec_factor * length + 1e-9)), params.min_prob,
+                         minus, minus_node)
 
 
 class RequestIndex(SuffixTrie):
@@ -172,36 +210,86 @@ class RequestIndex(SuffixTrie):
         self.num_tokens += len(tokens)
 
 
+@dataclass
+class _Running:
+    tokens: list[int]        # a running sequence's text indexed so far
+    open_nodes: list[int]    # its open nodes in the trie (SuffixTrie.extend)
+
+
 class SuffixCache:
-    """The worker-wide trie over finished sequences: at most `max_tokens` tokens, oldest out first."""
+    """The worker-wide trie: finished sequences, oldest out first, and running sequences' texts as
+    they grow (`extend`); at most `max_tokens` tokens in all. Running texts are keyed by any hashable
+    (the drafter uses the Sequence)."""
 
     def __init__(self, max_depth: int, max_tokens: int):
         self.trie, self.max_tokens = SuffixTrie(max_depth), max_tokens
         self.num_tokens = 0
-        self._texts: deque[list[int]] = deque()
+        self._texts: deque[list[int]] = deque()         # finished texts, oldest first
+        self._running: dict[object, _Running] = {}
+        self._left: set[object] = set()                 # running keys that found the cap full of running texts
 
     @property
     def num_sequences(self) -> int:
         return len(self._texts)
 
-    def add(self, tokens: list[int]) -> None:
-        """Index `tokens` (its last max_tokens), evicting the oldest sequences to make room."""
-        tokens = list(tokens[len(tokens) - self.max_tokens:]) if self.max_tokens else []
-        if not tokens:
-            return
-        while self._texts and self.num_tokens + len(tokens) > self.max_tokens:
+    def _make_room(self, num: int) -> bool:
+        """Evict the oldest finished texts until `num` more tokens fit; whether they do."""
+        while self._texts and self.num_tokens + num > self.max_tokens:
             old = self._texts.popleft()
             self.trie.remove(old)
             self.num_tokens -= len(old)
+        return self.num_tokens + num <= self.max_tokens
+
+    def add(self, tokens: list[int]) -> None:
+        """Index a finished text (its last tokens that fit beside the running texts), evicting the
+        oldest finished ones to make room."""
+        room = self.max_tokens - sum(len(r.tokens) for r in self._running.values())
+        tokens = list(tokens[len(tokens) - room:]) if room > 0 else []
+        if not tokens:
+            return
+        self._make_room(len(tokens))
         self.trie.add(tokens)
         self._texts.append(tokens)
         self.num_tokens += len(tokens)
 
+    def extend(self, key, tokens: list[int]) -> None:
+        """Append committed tokens to running text `key` (the first call starts it). Where the cap is
+        full of running texts, `key` leaves the index until `finish`."""
+        if not tokens or key in self._left:
+            return
+        run = self._running.setdefault(key, _Running([], []))
+        if not self._make_room(len(tokens)):
+            del self._running[key]
+            self.trie.remove(run.tokens)
+            self.num_tokens -= len(run.tokens)
+            self._left.add(key)
+            return
+        for token in tokens:
+            run.open_nodes = self.trie.extend(run.open_nodes, token)
+        run.tokens += tokens
+        self.num_tokens += len(tokens)
+
+    def is_indexed(self, key) -> bool:
+        """Whether running text `key` is in the trie (all of what `extend` was given)."""
+        return key in self._running
+
+    def finish(self, key, tokens: list[int]) -> None:
+        """Running text `key` ended as `tokens` (its whole text): it becomes the newest finished text."""
+        if key in self._running:
+            self.extend(key, tokens[len(self._running[key].tokens):])
+        run = self._running.pop(key, None)
+        self._left.discard(key)
+        if run is None:
+            self.add(tokens)
+        else:
+            self._texts.append(run.tokens)
+
 
 class SuffixDrafter(FreeDrafter):
-    """Suffix drafts from the sequence's own history and the worker's finished sequences. Owns one
+    """Suffix drafts from the sequence's own history and the worker's other sequences. Owns one
     RequestIndex per running sequence, synchronised with its committed tokens on commit (and on
-    propose), dropped on release, when the finished sequence joins the worker-wide cache."""
+    propose) together with its running text in the worker-wide cache (index_running), dropped on
+    release, when the finished sequence joins the worker-wide cache."""
     kind = "suffix"
 
     def __init__(self, params: SuffixParams = SuffixParams(), device="cpu"):
@@ -214,7 +302,10 @@ class SuffixDrafter(FreeDrafter):
         if own is None:
             own = self._own[seq] = RequestIndex(self.params.max_depth)
         if own.num_tokens < seq.num_tokens:
-            own.append(seq.all_ids()[own.num_tokens:])
+            new = seq.all_ids()[own.num_tokens:]
+            own.append(new)
+            if self.params.index_running:
+                self.cache.extend(seq, new)
         return own
 
     def on_commit(self, seqs: list[Sequence]) -> None:
@@ -223,7 +314,7 @@ class SuffixDrafter(FreeDrafter):
 
     def release(self, seq: Sequence) -> None:
         self._own.pop(seq, None)
-        self.cache.add(seq.all_ids())
+        self.cache.finish(seq, seq.all_ids())
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
         if k <= 0:
@@ -232,7 +323,8 @@ class SuffixDrafter(FreeDrafter):
         context = seq.all_ids()[-self.params.max_depth:]
         tokens, score = own.draft(context, k, self.params)
         if self.cache.num_tokens:
-            other, other_score = self.cache.trie.draft(context, k, self.params)
+            minus = own if self.cache.is_indexed(seq) else None           # its own text: counted in `own`
+            other, other_score = self.cache.trie.draft(context, k, self.params, minus)
             if other_score > score:
                 tokens = other
         return tokens
