@@ -173,7 +173,7 @@ def test_running_texts_are_indexed_as_they_grow_and_finish_in_order():
             finished.append(key)
             running[max(running) + 1 if running else step] = []
         indexed = [t for k, t in running.items() if cache.is_indexed(k)]
-        assert cache.num_tokens <= cap
+        assert cache.num_tokens <= cap and cache.num_running_tokens == sum(map(len, indexed))
         assert all_paths(cache.trie) == brute_counts(list(cache._texts) + indexed, depth)
     assert len(finished) > 20 and cache.num_sequences < len(finished)   # the oldest finished were evicted
 
@@ -186,10 +186,15 @@ def test_running_texts_leave_when_the_cap_is_full_of_them_and_join_when_finished
     assert cache.num_sequences == 0 and cache.num_tokens == 9
     cache.extend("b", [2, 3])                                # 11 > 10 and no finished text left: b leaves
     assert not cache.is_indexed("b") and cache.is_indexed("a") and cache.num_tokens == 6
+    cache.add([0, 0, 0, 0, 0])                               # finished: at most what fits beside a
+    assert list(cache._texts) == [[0, 0, 0, 0]] and cache.num_tokens == 10
+    cache.extend("c", [5])                                   # a running text evicts finished ones
+    assert list(cache._texts) == [] and cache.num_tokens == 7 and cache.num_running_tokens == 7
+    cache.finish("c", [5])
     cache.extend("b", [4])                                   # stays out until it finishes
-    assert all_paths(cache.trie) == brute_counts([[1, 2, 3, 4, 5, 6]], 4)
+    assert all_paths(cache.trie) == brute_counts([[1, 2, 3, 4, 5, 6], [5]], 4) and list(cache._texts) == [[5]]
     cache.finish("b", [7, 8, 1, 2, 3, 4])                    # joins as a finished text: what fits beside a
-    assert cache.num_tokens == 10 and list(cache._texts) == [[1, 2, 3, 4]]
+    assert cache.num_tokens == 10 and list(cache._texts) == [[1, 2, 3, 4]]           # (c's [5] evicted)
     cache.finish("a", [1, 2, 3, 4, 5, 6, 0])                 # its last token first makes room (evicts b)
     assert list(cache._texts) == [[1, 2, 3, 4, 5, 6, 0]] and cache.num_tokens == 7
     assert all_paths(cache.trie) == brute_counts([[1, 2, 3, 4, 5, 6, 0]], 4)

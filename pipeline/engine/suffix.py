@@ -223,7 +223,8 @@ class SuffixCache:
 
     def __init__(self, max_depth: int, max_tokens: int):
         self.trie, self.max_tokens = SuffixTrie(max_depth), max_tokens
-        self.num_tokens = 0
+        self.num_tokens = 0                             # indexed tokens, finished and running
+        self.num_running_tokens = 0
         self._texts: deque[list[int]] = deque()         # finished texts, oldest first
         self._running: dict[object, _Running] = {}
         self._left: set[object] = set()                 # running keys that found the cap full of running texts
@@ -232,18 +233,18 @@ class SuffixCache:
     def num_sequences(self) -> int:
         return len(self._texts)
 
-    def _make_room(self, num: int) -> bool:
-        """Evict the oldest finished texts until `num` more tokens fit; whether they do."""
+    def _make_room(self, num: int) -> None:
+        """Evict the oldest finished texts until `num` more tokens fit (the caller checked that the
+        running texts leave room for them)."""
         while self._texts and self.num_tokens + num > self.max_tokens:
             old = self._texts.popleft()
             self.trie.remove(old)
             self.num_tokens -= len(old)
-        return self.num_tokens + num <= self.max_tokens
 
     def add(self, tokens: list[int]) -> None:
         """Index a finished text (its last tokens that fit beside the running texts), evicting the
         oldest finished ones to make room."""
-        room = self.max_tokens - sum(len(r.tokens) for r in self._running.values())
+        room = self.max_tokens - self.num_running_tokens
         tokens = list(tokens[len(tokens) - room:]) if room > 0 else []
         if not tokens:
             return
@@ -258,16 +259,19 @@ class SuffixCache:
         if not tokens or key in self._left:
             return
         run = self._running.setdefault(key, _Running([], []))
-        if not self._make_room(len(tokens)):
+        if self.num_running_tokens + len(tokens) > self.max_tokens:
             del self._running[key]
             self.trie.remove(run.tokens)
             self.num_tokens -= len(run.tokens)
+            self.num_running_tokens -= len(run.tokens)
             self._left.add(key)
             return
+        self._make_room(len(tokens))
         for token in tokens:
             run.open_nodes = self.trie.extend(run.open_nodes, token)
         run.tokens += tokens
         self.num_tokens += len(tokens)
+        self.num_running_tokens += len(tokens)
 
     def is_indexed(self, key) -> bool:
         """Whether running text `key` is in the trie (all of what `extend` was given)."""
@@ -282,6 +286,7 @@ class SuffixCache:
         if run is None:
             self.add(tokens)
         else:
+            self.num_running_tokens -= len(run.tokens)
             self._texts.append(run.tokens)
 
 
