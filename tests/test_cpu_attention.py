@@ -38,6 +38,24 @@ def test_kernel_equals_reference_on_ragged_rows(dim, groups):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)     # a mask off by one key: ~1e-1
 
 
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 1), (24, 7)])
+def test_kernel_reads_bf16_stores(dim, groups):
+    """A bf16 store is widened exactly: fp32 queries give the reference's output on the same bf16
+    values to fp32 rounding; bf16 queries come back in bf16 (one rounding off). Reading the store's
+    bytes as fp32, or widening into the wrong half, is off by orders of magnitude."""
+    query, k_store, v_store, table = ragged_case(dim, groups, seed=1)
+    k_store, v_store = k_store.bfloat16(), v_store.bfloat16()
+    got = cpu_attention.kernel()(query, k_store, v_store, table, dim ** -0.5)
+    want = cpu_attention.reference(query, k_store, v_store, table, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = cpu_attention.kernel()(query.bfloat16(), k_store, v_store, table, dim ** -0.5)
+    want = cpu_attention.reference(query.bfloat16(), k_store, v_store, table, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="expected both fp32 or bf16"):
+        cpu_attention.kernel()(query, k_store, v_store.float(), table, dim ** -0.5)
+
+
 def test_first_position_sees_only_itself():
     """A token at position 0 attends to one key: its output is that key's value, exactly up to
     rounding. A mask one position off (seeing position 1's stale key) fails this."""
@@ -84,9 +102,10 @@ def test_modes():
     cpu = torch.device("cpu")
     assert cpu_attention.policy("off", cpu, torch.float32, 64) is None
     assert cpu_attention.policy("auto", cpu, torch.float32, 64) is not None
-    assert cpu_attention.policy("auto", cpu, torch.bfloat16, 64) is None                # torch's kernels then
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_attention.policy("on", cpu, torch.bfloat16, 64)
+    assert cpu_attention.policy("auto", cpu, torch.bfloat16, 64) is not None            # bf16 stores too
+    assert cpu_attention.policy("auto", cpu, torch.float16, 64) is None                 # torch's kernels then
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_attention.policy("on", cpu, torch.float16, 64)
     with pytest.raises(RuntimeError, match="head size 20"):
         cpu_attention.policy("on", cpu, torch.float32, 20)
     with pytest.raises(ValueError, match="engine.cpu_attention"):

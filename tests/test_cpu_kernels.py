@@ -15,6 +15,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.engine import cpu_attention, cpu_kernels, cpu_linear
 from pipeline.engine.engine import EngineConfig
 from pipeline.engine.runner import ModelRunner
+from pipeline.hardware import cpu_flags
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
@@ -40,8 +41,14 @@ def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []                                              # no half-written file
 
 
-def kernel() -> cpu_linear.PanelKernel:
-    return cpu_linear.policy("on", torch.device("cpu"), torch.float32)
+def kernel(dtype=torch.float32) -> cpu_linear.PanelKernel:
+    return cpu_linear.policy("on", torch.device("cpu"), dtype)
+
+
+# The bf16 kernel needs the CPU's bf16 dot products (avx512_bf16): only their absence skips its
+# tests; where the CPU has them, a kernel that fails to build or its self-check fails them.
+HAS_BF16_CPU = "avx512_bf16" in cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16_CPU, reason="this CPU has no avx512_bf16: no bf16 kernel")
 
 
 def test_panels_layout():
@@ -68,6 +75,61 @@ def test_kernel_equals_float64_linear(m, n, k, bias):
     # terms of size ~1: fp32 rounding over k of them stays well under 1e-5 * sqrt(k); a dropped or
     # doubled term, a wrong panel or a missing bias is off by ~1
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * k ** 0.5)
+
+
+def test_pair_panels_layout():
+    """The bf16 kernel's layout: panel p, pair j, lane n holds (W[16p + n, 2j], W[16p + n, 2j + 1]);
+    zeros past N and past an odd K."""
+    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5) + 1
+    panels = cpu_linear.to_pair_panels(w)
+    assert panels.shape == (2, 3, 16, 2)
+    for n in range(32):
+        for k in range(6):
+            assert panels[n // 16, k // 2, n % 16, k % 2] == (w[n, k] if n < 20 and k < 5 else 0)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 11, 12, 13, 97, 200])
+@pytest.mark.parametrize("n,k", [(3, 1), (16, 37), (40, 514), (33, 1101)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_kernel_equals_float64_linear(m, n, k, bias):
+    """bf16 in and out: against float64 on the same bf16 values, within y's one rounding to bf16
+    (2^-9 relative) plus fp32 accumulation; a dropped pair, a wrong panel, a swapped pair half or a
+    missing bias is off by ~1. Rows: the stream, partial tiles, one 12-row tile, remainders, more
+    than one 96-row block; k: 1, odd (the last pair half-empty), even."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    bf16 = kernel(torch.bfloat16)
+    got = bf16(x, bf16.layout(w), b, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+
+
+@needs_bf16
+def test_bf16_panel_linear_and_runner():
+    """PanelLinear in bf16 matches torch's bf16 nn.Linear (both round y once); a bf16 model's runner
+    takes the bf16 panels, and its logits stay within bf16 noise of the model's own."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160).bfloat16()
+    panel = cpu_linear.PanelLinear(linear, kernel(torch.bfloat16))
+    x = torch.randn(2, 7, 96).bfloat16()
+    torch.testing.assert_close(panel(x), linear(x), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        panel(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="float32 weight"):
+        cpu_linear.PanelLinear(nn.Linear(8, 8), kernel(torch.bfloat16))
+    model = tiny_llama(seed=3).bfloat16()
+    plain = copy.deepcopy(model)
+    runner = ModelRunner(model, 2, 64)
+    assert runner.panel_linears > 0 and runner.cpu_linear.dtype == torch.bfloat16
+    ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), plain(ids).logits.float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    copy.deepcopy(model), pickle.loads(pickle.dumps(model))                     # copies and pickles
 
 
 def test_kernel_rejects_a_mismatched_input():
@@ -120,9 +182,15 @@ def test_modes():
     cpu = torch.device("cpu")
     assert cpu_linear.policy("off", cpu, torch.float32) is None
     assert cpu_linear.policy("auto", cpu, torch.float32) is not None
-    assert cpu_linear.policy("auto", cpu, torch.bfloat16) is None                   # oneDNN / torch then
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_linear.policy("on", cpu, torch.bfloat16)
+    assert cpu_linear.policy("auto", cpu, torch.float16) is None                    # oneDNN / torch then
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_linear.policy("on", cpu, torch.float16)
+    if HAS_BF16_CPU:
+        assert cpu_linear.policy("auto", cpu, torch.bfloat16).dtype == torch.bfloat16
+    else:                                                                           # no avx512_bf16 here
+        assert cpu_linear.policy("auto", cpu, torch.bfloat16) is None
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            cpu_linear.policy("on", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="engine.cpu_linear"):
         cpu_linear.policy("maybe", cpu, torch.float32)
     with pytest.raises(ValueError, match="packed_linear"):

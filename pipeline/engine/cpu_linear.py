@@ -42,6 +42,7 @@ from torch import nn
 from .cpu_kernels import MODES, choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
+SOURCE_BF16 = Path(__file__).parent / "csrc" / "panel_linear_bf16.c"     # CPUs with avx512_bf16
 PANEL = 16                                   # outputs per panel (the kernel's NR)
 
 
@@ -83,12 +84,26 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-class PanelKernel:
-    """The loaded panel_linear.c. `kernel(x, panels, bias, n)` is `F.linear` for x [M, K] fp32."""
+def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2] (the bf16 kernel's): panel p, pair j holds
+    (W[n, 2j], W[n, 2j + 1]) for n = 16p .. 16p + 15 (zeros past N and K)."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, -(-k // 2) * 2)
+    padded[:n, :k] = weight
+    return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
-    def __init__(self, path: Path):
+
+class PanelKernel:
+    """A loaded panel kernel, fp32 (panel_linear.c) or bf16 (panel_linear_bf16.c).
+    `kernel(x, kernel.layout(w), bias, n)` is `F.linear(x, w, bias)` for x [M, K] in its dtype."""
+
+    FUNCTIONS = {torch.float32: "panel_linear_f32", torch.bfloat16: "panel_linear_bf16"}
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.layout = to_panels if dtype == torch.float32 else to_pair_panels
         self._lib = ctypes.CDLL(str(path))
-        fn = self._lib.panel_linear_f32
+        fn = getattr(self._lib, self.FUNCTIONS[dtype])
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -98,12 +113,15 @@ class PanelKernel:
         return self
 
     def __reduce__(self):                               # another process loads (or builds) its own
-        return _loaded, ()
+        return _loaded, (str(self.dtype).removeprefix("torch."),)
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         m, k = x.shape
-        if x.dtype != torch.float32 or panels.shape[1:] != (k, PANEL) or panels.shape[0] * PANEL < n:
-            raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} does not fit panels {tuple(panels.shape)}")
+        want = (k, PANEL) if self.dtype == torch.float32 else (-(-k // 2), PANEL, 2)
+        if x.dtype != self.dtype or panels.dtype != self.dtype or tuple(panels.shape[1:]) != want \
+                or panels.shape[0] * PANEL < n or (bias is not None and bias.dtype != self.dtype):
+            raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} does not fit panels "
+                             f"{tuple(panels.shape)} {panels.dtype} (a {self.dtype} kernel)")
         return self.unchecked(x, panels, bias, n)
 
     def unchecked(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -119,18 +137,22 @@ class PanelKernel:
 
 
 class PanelLinear(nn.Module):
-    """`nn.Linear` with its weight regrouped once into 16-output panels for our kernel (CPU, fp32)."""
+    """`nn.Linear` with its weight regrouped once into 16-output panels for our kernel (CPU, fp32 or bf16)."""
 
     def __init__(self, linear: nn.Linear, kernel: PanelKernel):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("panels", to_panels(linear.weight.detach().float()), persistent=False)
+        weight = linear.weight.detach()
+        if weight.dtype != kernel.dtype:
+            raise ValueError(f"panel linear: a {weight.dtype} weight for a {kernel.dtype} kernel")
+        self.register_buffer("panels", kernel.layout(weight), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
         self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
-            raise ValueError(f"panel linear: expected [..., {self.in_features}] float32, got {tuple(x.shape)} {x.dtype}")
+        if x.dtype != self._kernel.dtype or x.shape[-1] != self.in_features:
+            want = str(self._kernel.dtype).removeprefix("torch.")
+            raise ValueError(f"panel linear: expected [..., {self.in_features}] {want}, got {tuple(x.shape)} {x.dtype}")
         y = self._kernel.unchecked(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -138,27 +160,44 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _self_check(kernel: PanelKernel) -> None:
-    """The built kernel against float64 `F.linear`: ragged M (1 row, one tile, tiles + a remainder,
-    K in chunks), N not a multiple of the panel, with and without bias."""
-    gen = torch.Generator().manual_seed(0)
-    for m, n, k, bias in ((1, 40, 37, True), (5, 16, 8, False), (13, 33, 600, True), (100, 24, 1030, False)):
-        w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
-        b = torch.randn(n, generator=gen) if bias else None
-        got = kernel(x, to_panels(w), b, n)
+SELF_CHECK_CASES = ((1, 40, 37, True), (5, 16, 8, False), (13, 33, 600, True), (100, 24, 1030, False))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # bf16: y is rounded once to 8 bits (2^-9)
+
+
+def check_against_float64(kernel: PanelKernel, cases=SELF_CHECK_CASES, seed: int = 0) -> float:
+    """The kernel against float64 `F.linear` on the same (dtype-rounded) inputs: the largest relative
+    difference (to the output's largest magnitude) over the cases (M, N, K, with bias)."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for m, n, k, bias in cases:
+        w = torch.randn(n, k, generator=gen).to(kernel.dtype)
+        x = torch.randn(m, k, generator=gen).to(kernel.dtype)
+        b = torch.randn(n, generator=gen).to(kernel.dtype) if bias else None
+        got = kernel(x, kernel.layout(w), b, n)
         want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        err = ((got.double() - want).abs().max() / want.abs().max()).item()
-        if not err < 1e-5:
-            raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear at M={m}")
+        worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def _self_check(kernel: PanelKernel) -> None:
+    """Ragged M (1 row, one tile, tiles + a remainder), N not a multiple of the panel, odd K, with and
+    without bias: within TOLERANCE of float64 `F.linear`."""
+    err = check_against_float64(kernel)
+    if not err < TOLERANCE[kernel.dtype]:
+        raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
+
+
+SOURCES = {torch.float32: SOURCE, torch.bfloat16: SOURCE_BF16}
 
 
 @lru_cache(maxsize=None)
-def _load() -> tuple[PanelKernel | None, str | None]:
-    return load_checked(SOURCE, PanelKernel, _self_check, "oneDNN / torch linears")
+def _load(dtype: torch.dtype = torch.float32) -> tuple[PanelKernel | None, str | None]:
+    instead = "oneDNN / torch linears" if dtype == torch.float32 else "oneDNN's bf16 linears"
+    return load_checked(SOURCES[dtype], lambda path: PanelKernel(path, dtype), _self_check, instead)
 
 
-def _loaded() -> PanelKernel:
-    return policy("on", torch.device("cpu"), torch.float32)
+def _loaded(dtype: str = "float32") -> PanelKernel:
+    return policy("on", torch.device("cpu"), getattr(torch, dtype))
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -166,15 +205,15 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     Builds (or finds) and checks the kernel on first call."""
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the kernel is for CPUs"
-    if dtype != torch.float32:
-        return f"weight dtype {dtype}: the kernel is fp32 only"
-    return _load()[1]
+    if dtype not in SOURCES:
+        return f"weight dtype {dtype}: the kernel is fp32 or bf16 only"
+    return _load(dtype)[1]
 
 
 def policy(mode: str, device: torch.device, dtype: torch.dtype) -> PanelKernel | None:
     """The panel kernel a runner uses under engine.cpu_linear = mode: auto (where it is available),
     on (raises where not), off (None: oneDNN packing or torch's F.linear)."""
-    return choose("cpu_linear", mode, lambda: unavailable(device, dtype), lambda: _load()[0])
+    return choose("cpu_linear", mode, lambda: unavailable(device, dtype), lambda: _load(dtype)[0])
 
 
 @torch.no_grad()

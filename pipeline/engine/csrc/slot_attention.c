@@ -1,4 +1,6 @@
-/* Attention over the slot KV store, fp32, for CPUs: each row reads its own keys only.
+/* Attention over the slot KV store for CPUs: each row reads its own keys only. fp32 arithmetic;
+ * the store is fp32 (slot_attention_f32) or bf16 (slot_attention_bf16kv: keys and values widened
+ * to fp32 as they are loaded, exactly, so a bf16 model's store is read at half the bytes).
  *
  * Built by pipeline/engine/cpu_attention.py with the system C compiler (-O3, the host's vector
  * instructions, OpenMP) the first time a runner needs it, and loaded with ctypes. Portable C with
@@ -6,8 +8,8 @@
  * and NEON.
  *
  * Layouts (all contiguous, row-major):
- *   q, out       [num_tokens, heads, dim]          packed new tokens, row after row
- *   k_store/v    [num_slots, kv_heads, cap, dim]   the slot store (kv_cache.SlotKVCache)
+ *   q, out       [num_tokens, heads, dim]          fp32, packed new tokens, row after row
+ *   k_store/v    [num_slots, kv_heads, cap, dim]   fp32 or bf16, the slot store (kv_cache.SlotKVCache)
  *   rows         [4, num_rows] int64               slot, start, num_new, first packed token of each row
  * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot. The query
  * heads sharing a KV head (heads = kv_heads * groups) are one task's queries: the task (row, kv
@@ -25,8 +27,17 @@
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+/* Eight bf16 -> fp32: a bf16 is the upper half of the fp32 with the same value. */
+static inline v8 load8_bf16(const uint16_t *p) {
+    h8 h;
+    memcpy(&h, p, sizeof h);
+    return (v8)(__builtin_convertvector(h, u8) << 16);
+}
 
 /* Lane i of the result: the sum of the lanes of a[i]. */
 #define PAIRS(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) \
@@ -84,9 +95,10 @@ static float softmax_numerators(float *x, int64_t m) {
  * unroll), the argument `dim` otherwise. */
 #define MAX_CHUNKS 32
 #define QBLOCK 32                                         /* tokens of one row per task, at most */
-#define ATTEND(NAME, DIM)                                                                              \
-static void NAME(const float *q, const float *K, const float *V, float *out, int64_t tok_stride,      \
+#define ATTEND(NAME, DIM, KV, LOADKV)                                                                  \
+static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int64_t tok_stride,      \
                  int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim) {         \
+    const KV *K = Kv, *V = Vv;                                                                         \
     (void)dim;                                                                                         \
     for (int64_t j = 0; j < n * groups; j++) {                                                         \
         const float *qj = q + (j / groups) * tok_stride + (j % groups) * DIM;                          \
@@ -97,13 +109,13 @@ static void NAME(const float *q, const float *K, const float *V, float *out, int
             v8 acc[8] = {0};                                                                           \
             for (int64_t d = 0; d < DIM; d += 8) {                                                     \
                 v8 qv = load8(qj + d);                                                                 \
-                for (int k = 0; k < 8; k++) acc[k] += qv * load8(K + (l + k) * DIM + d);               \
+                for (int k = 0; k < 8; k++) acc[k] += qv * LOADKV(K + (l + k) * DIM + d);              \
             }                                                                                          \
             store8(sj + l, reduce8(acc) * scale);                                                      \
         }                                                                                              \
         for (int64_t l = m8; l < m; l++) {                                                             \
             v8 acc = {0};                                                                              \
-            for (int64_t d = 0; d < DIM; d += 8) acc += load8(qj + d) * load8(K + l * DIM + d);        \
+            for (int64_t d = 0; d < DIM; d += 8) acc += load8(qj + d) * LOADKV(K + l * DIM + d);       \
             float t = 0;                                                                               \
             for (int i = 0; i < 8; i++) t += acc[i];                                                   \
             sj[l] = t * scale;                                                                         \
@@ -111,18 +123,24 @@ static void NAME(const float *q, const float *K, const float *V, float *out, int
         float inv = 1.0f / softmax_numerators(sj, m);                                                  \
         v8 o[MAX_CHUNKS] = {0};                                                                        \
         for (int64_t l = 0; l < m; l++)                                                                \
-            for (int c = 0; c < DIM / 8; c++) o[c] += sj[l] * load8(V + l * DIM + c * 8);             \
+            for (int c = 0; c < DIM / 8; c++) o[c] += sj[l] * LOADKV(V + l * DIM + c * 8);            \
         float *oj = out + (j / groups) * tok_stride + (j % groups) * DIM;                              \
         for (int c = 0; c < DIM / 8; c++) store8(oj + c * 8, o[c] * inv);                              \
     }                                                                                                  \
 }
-ATTEND(attend_64, 64)
-ATTEND(attend_128, 128)
-ATTEND(attend_any, dim)
+ATTEND(attend_64, 64, float, load8)
+ATTEND(attend_128, 128, float, load8)
+ATTEND(attend_any, dim, float, load8)
+ATTEND(attend_64_bf16, 64, uint16_t, load8_bf16)
+ATTEND(attend_128_bf16, 128, uint16_t, load8_bf16)
+ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
 
-int slot_attention_f32(const float *q, const float *k_store, const float *v_store, float *out,
-                       const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
-                       int64_t dim, float scale, int num_threads) {
+typedef void (*attend_fn)(const float *, const void *, const void *, float *, int64_t, int64_t, int64_t,
+                          int64_t, float, float *, int64_t);
+
+static int run(const float *q, const char *k_store, const char *v_store, int64_t elem_size, float *out,
+               const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
+               int64_t dim, float scale, int num_threads) {
     if (dim % 8 != 0 || dim > 8 * MAX_CHUNKS) return -2;
     const int64_t *slot = rows, *start = rows + num_rows, *num_new = rows + 2 * num_rows,
                   *first = rows + 3 * num_rows;
@@ -146,11 +164,26 @@ int slot_attention_f32(const float *q, const float *k_store, const float *v_stor
         float *s = malloc(sizeof(float) * (start[r] + t0 + n + 8));
         if (s == NULL) { failed = 1; continue; }
         int64_t kv = (slot[r] * kv_heads + h) * cap * dim, qo = ((first[r] + t0) * heads + h * groups) * dim;
-        void (*attend)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
-                       int64_t, float, float *, int64_t) = dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any;
-        attend(q + qo, k_store + kv, v_store + kv, out + qo, heads * dim, n, start[r] + t0, groups, scale, s, dim);
+        attend_fn attend = elem_size == 4 ? (dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any)
+                                          : (dim == 64 ? attend_64_bf16 : dim == 128 ? attend_128_bf16 : attend_any_bf16);
+        attend(q + qo, k_store + kv * elem_size, v_store + kv * elem_size, out + qo, heads * dim, n,
+               start[r] + t0, groups, scale, s, dim);
         free(s);
     }
     free(block_end);
     return failed ? -1 : 0;
+}
+
+int slot_attention_f32(const float *q, const float *k_store, const float *v_store, float *out,
+                       const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
+                       int64_t dim, float scale, int num_threads) {
+    return run(q, (const char *)k_store, (const char *)v_store, sizeof(float), out, rows, num_rows, kv_heads,
+               groups, cap, dim, scale, num_threads);
+}
+
+int slot_attention_bf16kv(const float *q, const uint16_t *k_store, const uint16_t *v_store, float *out,
+                          const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
+                          int64_t dim, float scale, int num_threads) {
+    return run(q, (const char *)k_store, (const char *)v_store, sizeof(uint16_t), out, rows, num_rows, kv_heads,
+               groups, cap, dim, scale, num_threads);
 }
