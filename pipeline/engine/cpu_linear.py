@@ -1,4 +1,5 @@
-"""Linear layers for CPU decoding: our panel kernel (fp32), else oneDNN-packed weights.
+"""Linear layers for CPU decoding: our panel kernel (fp32, or bf16 on CPUs with avx512_bf16), else
+oneDNN-packed weights.
 
 A speculative round verifies a few tokens per sequence, so the target's linears multiply a weight by
 a handful of rows (M = 2..200). On CPU, torch's default `F.linear` (MKL sgemm on a plain weight) is
@@ -25,6 +26,10 @@ of a register-blocked GEMM for many rows. Measured on SmolLM2's 211 weights on t
 (bench/linear_kernels.py --weights smollm2): 1.2-2.6x oneDNN's speed at 1-24 rows, level at 64 and
 2048, 0.82x at 256 (bench/RESULTS.md, "Session 5").
 It replaces oneDNN's packing where it is used (one copy of each weight, as before).
+
+bf16 models (`models.dtype: auto` on CPUs with avx512_bf16) get the twin, csrc/panel_linear_bf16.c:
+pair panels ([N/16, K/2, 16, 2]) and one VDPBF16PS per input pair, so a batch-1 step streams half
+the bytes; it builds only where the CPU has the instruction (elsewhere bf16 keeps oneDNN's linears).
 
 This module knows nothing about the engine: `panel_linears(model, kernel)` / `pack_linears(model)`
 swap modules in place.

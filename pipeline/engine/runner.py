@@ -69,7 +69,7 @@ class ModelRunner:
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
-        # On CPU, regroup the linear weights once for our panel kernel (fp32), else reorder them for
+        # On CPU, regroup the linear weights once for our panel kernel (fp32 or bf16), else reorder them for
         # oneDNN: a decoding step then streams the weights at memory speed, and verifying a few tokens
         # per sequence costs little more than one (see cpu_linear.py). Mutates the model in place.
         # pack_linear=False leaves the model's linears alone (torch's F.linear).
