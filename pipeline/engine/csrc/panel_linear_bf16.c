@@ -22,13 +22,12 @@
  * accumulators over consecutive pairs hide the instruction's latency); many rows are register-
  * blocked, tasks of (up to MC rows) x (one panel) re-reading the panel from cache for each tile.
  */
+#if !defined(__AVX512BF16__) || !defined(__AVX512F__)
+#error "needs AVX512-BF16 (the avx512_bf16 CPU flag): not in this CPU's -march=native"
+#else                         /* the rest only where it compiles: the error above is the build's only message */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-
-#if !defined(__AVX512BF16__) || !defined(__AVX512F__)
-#error "needs AVX512-BF16 (the avx512_bf16 CPU flag): not in this CPU's -march=native"
-#endif
 
 enum { NR = 16, MR = 12, MC = 96 };
 
@@ -124,3 +123,4 @@ int panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *p
     }
     return 0;
 }
+#endif
