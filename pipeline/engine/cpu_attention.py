@@ -32,7 +32,8 @@ import torch
 from .cpu_kernels import MODES, choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
-STORE_DTYPES = (torch.float32, torch.bfloat16)
+FUNCTIONS = {torch.float32: "slot_attention_f32", torch.bfloat16: "slot_attention_bf16kv"}   # per store dtype
+STORE_DTYPES = tuple(FUNCTIONS)
 
 
 
@@ -43,7 +44,7 @@ class CpuAttention:
         self._lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fns = {}
-        for dtype, name in ((torch.float32, "slot_attention_f32"), (torch.bfloat16, "slot_attention_bf16kv")):
+        for dtype, name in FUNCTIONS.items():
             fn = getattr(self._lib, name)
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
             fn.restype = ctypes.c_int

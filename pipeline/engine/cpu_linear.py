@@ -37,6 +37,7 @@ swap modules in place.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -98,17 +99,29 @@ def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
+@dataclass(frozen=True)
+class Flavour:
+    """One dtype's kernel: its C source and entry point, its weight layout, and what runs where it
+    cannot be used."""
+    source: Path
+    function: str
+    layout: Callable[[torch.Tensor], torch.Tensor]
+    instead: str
+
+
+FLAVOURS = {torch.float32: Flavour(SOURCE, "panel_linear_f32", to_panels, "oneDNN / torch linears"),
+            torch.bfloat16: Flavour(SOURCE_BF16, "panel_linear_bf16", to_pair_panels, "oneDNN's bf16 linears")}
+
+
 class PanelKernel:
     """A loaded panel kernel, fp32 (panel_linear.c) or bf16 (panel_linear_bf16.c).
     `kernel(x, kernel.layout(w), bias, n)` is `F.linear(x, w, bias)` for x [M, K] in its dtype."""
 
-    FUNCTIONS = {torch.float32: "panel_linear_f32", torch.bfloat16: "panel_linear_bf16"}
-
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
-        self.layout = to_panels if dtype == torch.float32 else to_pair_panels
+        self.layout = FLAVOURS[dtype].layout
         self._lib = ctypes.CDLL(str(path))
-        fn = getattr(self._lib, self.FUNCTIONS[dtype])
+        fn = getattr(self._lib, FLAVOURS[dtype].function)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -122,7 +135,7 @@ class PanelKernel:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         m, k = x.shape
-        want = (k, PANEL) if self.dtype == torch.float32 else (-(-k // 2), PANEL, 2)
+        want = self.layout(x.new_zeros(1, k)).shape[1:]                  # the layout's shape for K
         if x.dtype != self.dtype or panels.dtype != self.dtype or tuple(panels.shape[1:]) != want \
                 or panels.shape[0] * PANEL < n or (bias is not None and bias.dtype != self.dtype):
             raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} does not fit panels "
@@ -192,13 +205,10 @@ def _self_check(kernel: PanelKernel) -> None:
         raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
 
 
-SOURCES = {torch.float32: SOURCE, torch.bfloat16: SOURCE_BF16}
-
-
 @lru_cache(maxsize=None)
 def _load(dtype: torch.dtype = torch.float32) -> tuple[PanelKernel | None, str | None]:
-    instead = "oneDNN / torch linears" if dtype == torch.float32 else "oneDNN's bf16 linears"
-    return load_checked(SOURCES[dtype], lambda path: PanelKernel(path, dtype), _self_check, instead)
+    flavour = FLAVOURS[dtype]
+    return load_checked(flavour.source, lambda path: PanelKernel(path, dtype), _self_check, flavour.instead)
 
 
 def _loaded(dtype: str = "float32") -> PanelKernel:
@@ -210,7 +220,7 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     Builds (or finds) and checks the kernel on first call."""
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the kernel is for CPUs"
-    if dtype not in SOURCES:
+    if dtype not in FLAVOURS:
         return f"weight dtype {dtype}: the kernel is fp32 or bf16 only"
     return _load(dtype)[1]
 
