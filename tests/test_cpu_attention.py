@@ -56,6 +56,25 @@ def test_kernel_reads_bf16_stores(dim, groups):
         cpu_attention.kernel()(query, k_store, v_store.float(), table, dim ** -0.5)
 
 
+@pytest.mark.parametrize("dim,groups", [(64, 1), (64, 2), (128, 4), (24, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_output_does_not_depend_on_its_step(dim, groups, dtype):
+    """The kernel attends several queries at once (heads and tokens of a row), and those blocks span
+    tokens when the heads per KV head do not fill one. Each token's output must still be bitwise
+    what it is alone: verifying 4 drafts or 1 gives the same numbers for the same position. A block
+    that scores its shorter queries' last keys eight at a time, like its longest query's, fails this
+    (the sums run in another order)."""
+    query, k_store, v_store, _ = ragged_case(dim, groups, seed=2)
+    k_store, v_store = k_store.to(dtype), v_store.to(dtype)
+    start, n = 13, 30                     # positions 13..42: every residue of the key count mod 8
+    together = cpu_attention.kernel()(query[:n], k_store, v_store,
+                                      torch.tensor([[1], [start], [n], [0]]), dim ** -0.5)
+    for i in range(n):
+        alone = cpu_attention.kernel()(query[i:i + 1], k_store, v_store,
+                                       torch.tensor([[1], [start + i], [1], [0]]), dim ** -0.5)
+        assert torch.equal(together[i], alone[0]), f"token {i} (position {start + i})"
+
+
 def test_first_position_sees_only_itself():
     """A token at position 0 attends to one key: its output is that key's value, exactly up to
     rounding. A mask one position off (seeing position 1's stale key) fails this."""

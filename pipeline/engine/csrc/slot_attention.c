@@ -17,7 +17,9 @@
  *
  * Per task: scores = q K^T (eight keys at a time, a transpose-reduce instead of one horizontal sum
  * per key), a softmax with an exponential written as vector code (2^k times a degree-6
- * polynomial, relative error ~1e-7), then out = p V. Returns 0, or -1 when scratch memory ran out.
+ * polynomial, relative error ~1e-7), then out = p V, for QB queries at a time (below) so each key
+ * and value vector is loaded and widened once per QB queries. Returns 0, or -1 when scratch memory
+ * ran out.
  */
 #include <float.h>
 #include <stdint.h>
@@ -88,44 +90,88 @@ static float softmax_numerators(float *x, int64_t m) {
     return total;
 }
 
+/* Queries attended together (QB): each key or value vector loaded (and, from a bf16 store, widened)
+ * once serves QB queries. Their score accumulators (QB x 8 keys) and output accumulators (QB x 8
+ * vectors) must stay in registers: QB 3 where the ISA has 32 vector registers (AVX-512, Arm), else 1
+ * (AVX2's 16: one query at a time, as before). The arithmetic per query is the same either way. */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define QB 3
+#else
+#define QB 1
+#endif
+
 /* One task: n tokens of a row at positions p0.. (the row's keys up to p0 + n - 1 hold this step's
  * values), `groups` query heads each, one KV head. q/out point at the first token's first head of
- * the group; tok_stride = heads * dim. s: scratch, p0 + n + 8 floats (one query's scores at a time).
+ * the group; tok_stride = heads * dim. s: scratch, QB * (p0 + n + 8) floats (the scores of QB queries).
+ * Queries j = token * groups + head go in blocks of QB; query j sees m_j = p0 + j / groups + 1 keys.
+ * A block computes scores up to its last (longest) query's m, keeps each query's own m in its
+ * softmax and zeroes the scores past it, so p V adds exact zeros there. Each query's scores come
+ * out bitwise as if it were alone (eight keys at a time, then its last m % 8 one by one), so a
+ * token's output does not depend on the other tokens of its step.
  * DIM: a multiple of 8, at most 8 * MAX_CHUNKS; a constant for the common head sizes (the loops
  * unroll), the argument `dim` otherwise. */
 #define MAX_CHUNKS 32
+#define OUT_CHUNKS 8                                      /* output vectors per query per pass over V */
 #define QBLOCK 32                                         /* tokens of one row per task, at most */
 #define ATTEND(NAME, DIM, KV, LOADKV)                                                                  \
 static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int64_t tok_stride,      \
                  int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim) {         \
     const KV *K = Kv, *V = Vv;                                                                         \
     (void)dim;                                                                                         \
-    for (int64_t j = 0; j < n * groups; j++) {                                                         \
-        const float *qj = q + (j / groups) * tok_stride + (j % groups) * DIM;                          \
-        float *sj = s;                                                                                 \
-        int64_t m = p0 + j / groups + 1;                  /* the keys this query sees */               \
-        int64_t m8 = m & ~(int64_t)7;                                                                  \
+    int64_t stride = p0 + n + 8;                          /* one query's scores in s */                \
+    for (int64_t j0 = 0; j0 < n * groups; j0 += QB) {                                                  \
+        int64_t nq = n * groups - j0 < QB ? n * groups - j0 : QB;                                      \
+        const float *qp[QB];                                                                           \
+        int64_t mq[QB];                                                                                \
+        for (int i = 0; i < QB; i++) {                    /* past nq: repeat the last query, unused */ \
+            int64_t j = j0 + (i < nq ? i : nq - 1);                                                    \
+            qp[i] = q + (j / groups) * tok_stride + (j % groups) * DIM;                                \
+            mq[i] = p0 + j / groups + 1;                                                               \
+        }                                                                                              \
+        int64_t m = mq[QB - 1], m8 = m & ~(int64_t)7;     /* the block's longest */                    \
         for (int64_t l = 0; l < m8; l += 8) {                                                          \
-            v8 acc[8] = {0};                                                                           \
+            v8 acc[QB][8] = {{0}};                                                                     \
             for (int64_t d = 0; d < DIM; d += 8) {                                                     \
-                v8 qv = load8(qj + d);                                                                 \
-                for (int k = 0; k < 8; k++) acc[k] += qv * LOADKV(K + (l + k) * DIM + d);              \
+                v8 qv[QB];                                                                             \
+                for (int i = 0; i < QB; i++) qv[i] = load8(qp[i] + d);                                 \
+                for (int k = 0; k < 8; k++) {                                                          \
+                    v8 kv = LOADKV(K + (l + k) * DIM + d);                                             \
+                    for (int i = 0; i < QB; i++) acc[i][k] += qv[i] * kv;                              \
+                }                                                                                      \
             }                                                                                          \
-            store8(sj + l, reduce8(acc) * scale);                                                      \
+            for (int i = 0; i < QB; i++)                                                               \
+                if (l + 8 <= mq[i]) store8(s + i * stride + l, reduce8(acc[i]) * scale);               \
         }                                                                                              \
-        for (int64_t l = m8; l < m; l++) {                                                             \
-            v8 acc = {0};                                                                              \
-            for (int64_t d = 0; d < DIM; d += 8) acc += load8(qj + d) * LOADKV(K + l * DIM + d);       \
-            float t = 0;                                                                               \
-            for (int i = 0; i < 8; i++) t += acc[i];                                                   \
-            sj[l] = t * scale;                                                                         \
+        for (int i = 0; i < nq; i++) {   /* each query's last m % 8 keys one at a time, as alone */   \
+            for (int64_t l = mq[i] & ~(int64_t)7; l < mq[i]; l++) {                                    \
+                v8 acc = {0};                                                                          \
+                for (int64_t d = 0; d < DIM; d += 8) acc += load8(qp[i] + d) * LOADKV(K + l * DIM + d); \
+                float t = 0;                                                                           \
+                for (int c = 0; c < 8; c++) t += acc[c];                                               \
+                s[i * stride + l] = t * scale;                                                         \
+            }                                                                                          \
         }                                                                                              \
-        float inv = 1.0f / softmax_numerators(sj, m);                                                  \
-        v8 o[MAX_CHUNKS] = {0};                                                                        \
-        for (int64_t l = 0; l < m; l++)                                                                \
-            for (int c = 0; c < DIM / 8; c++) o[c] += sj[l] * LOADKV(V + l * DIM + c * 8);            \
-        float *oj = out + (j / groups) * tok_stride + (j % groups) * DIM;                              \
-        for (int c = 0; c < DIM / 8; c++) store8(oj + c * 8, o[c] * inv);                              \
+        float inv[QB];                                                                                 \
+        for (int i = 0; i < QB; i++) {                                                                 \
+            float *si = s + i * stride;                                                                \
+            inv[i] = 1.0f / softmax_numerators(si, mq[i]);                                             \
+            for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;                                          \
+        }                                                                                              \
+        for (int c0 = 0; c0 < DIM / 8; c0 += OUT_CHUNKS) {                                             \
+            int nc = DIM / 8 - c0 < OUT_CHUNKS ? DIM / 8 - c0 : OUT_CHUNKS;                            \
+            v8 o[QB][OUT_CHUNKS] = {{0}};                                                              \
+            for (int64_t l = 0; l < m; l++) {                                                          \
+                for (int c = 0; c < nc; c++) {                                                         \
+                    v8 vv = LOADKV(V + l * DIM + (c0 + c) * 8);                                        \
+                    for (int i = 0; i < QB; i++) o[i][c] += s[i * stride + l] * vv;                    \
+                }                                                                                      \
+            }                                                                                          \
+            for (int i = 0; i < nq; i++) {                                                             \
+                int64_t j = j0 + i;                                                                    \
+                float *oj = out + (j / groups) * tok_stride + (j % groups) * DIM + c0 * 8;             \
+                for (int c = 0; c < nc; c++) store8(oj + c * 8, o[i][c] * inv[i]);                     \
+            }                                                                                          \
+        }                                                                                              \
     }                                                                                                  \
 }
 ATTEND(attend_64, 64, float, load8)
@@ -161,7 +207,7 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
         }
         int64_t b0 = b - (r ? block_end[r - 1] : 0), t0 = b0 * QBLOCK;           /* first token of the block */
         int64_t n = num_new[r] - t0 < QBLOCK ? num_new[r] - t0 : QBLOCK;
-        float *s = malloc(sizeof(float) * (start[r] + t0 + n + 8));
+        float *s = malloc(sizeof(float) * QB * (start[r] + t0 + n + 8));
         if (s == NULL) { failed = 1; continue; }
         int64_t kv = (slot[r] * kv_heads + h) * cap * dim, qo = ((first[r] + t0) * heads + h * groups) * dim;
         attend_fn attend = elem_size == 4 ? (dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any)
