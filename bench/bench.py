@@ -28,12 +28,13 @@ VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
 def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto",
-          cpu_linear: str = "auto") -> list[dict]:
+          cpu_linear: str = "auto", cpu_fused: str = "auto") -> list[dict]:
     """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group.
     all_seqs: our engine's max_num_seqs for the all-at-once configurations (running sequences)."""
     spec = "ngram" if model == "smollm2" else "draft"
     eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch),
-                                          "--compile", compile, "--cpu-linear", cpu_linear, *extra]
+                                          "--compile", compile, "--cpu-linear", cpu_linear,
+                                          "--cpu-fused", cpu_fused, *extra]
     configs = [
         # all prompts at once
         {"name": "hf_static_b16", "n": n_all, "args": ["--mode", "hf-static", "--batch", "16"]},
@@ -186,6 +187,8 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
                     help="our engine.cpu_linear (off: oneDNN-packed linears)")
+    ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"],
+                    help="our engine.cpu_fused (off: the model's own RMSNorm and MLP modules)")
     ap.add_argument("--only", nargs="*", help="run only these config names")
     ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
@@ -197,7 +200,8 @@ def main() -> None:
     for n in {args.n_all, args.n_b1}:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
-    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile, args.cpu_linear)
+    configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile, args.cpu_linear,
+                                 args.cpu_fused)
                if not args.only or c["name"] in args.only]
     dtype = resolve_dtype(args.dtype, "cpu")     # concrete for every system (vLLM's own `auto` differs)
     print(f"dtype: {dtype.describe()}", flush=True)

@@ -51,7 +51,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
                             adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile,
-                            cpu_linear=args.cpu_linear)
+                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused)
     engine = build_engine(models, section).engine
     if args.calibrate or args.adaptive:
         engine.calibrate()
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="engine.cpu_linear")
+    ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="engine.cpu_fused")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -124,15 +124,18 @@ class EngineSection:
                                     # beats padding every row to the longest; on: every step; off: eager),
                                     # for the forwards our CPU kernel does not take (cpu_attention below)
     cpu_attention: str = "auto"     # auto | on | off: attention on CPU by our C kernel, each row its own keys
-                                    # (pipeline/engine/cpu_attention.py; fp32, built at first use with
+                                    # (pipeline/engine/cpu_attention.py; fp32/bf16, built at first use with
                                     # the system C compiler; auto: where it builds, else torch's kernels)
     cpu_linear: str = "auto"        # auto | on | off: with packed_linear, linears on CPU by our C panel
-                                    # kernel, fp32 (pipeline/engine/cpu_linear.py; off, or auto where it
+                                    # kernel, fp32/bf16 (pipeline/engine/cpu_linear.py; off, or auto where it
                                     # cannot build: oneDNN-packed weights)
+    cpu_fused: str = "auto"         # auto | on | off: RMSNorm and the MLP's silu(gate) * up on CPU as one
+                                    # pass each, gate and up as one linear (pipeline/engine/cpu_fused.py;
+                                    # off, or auto where it cannot build: the model's own modules)
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        for name in ("compile", "cpu_attention", "cpu_linear"):
+        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused"):
             value = getattr(self, name)
             setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
         try:
@@ -350,6 +353,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
     tree["engine"].pop("compile")                     # the attention kernels: same distribution either way
     tree["engine"].pop("cpu_attention")
     tree["engine"].pop("cpu_linear")                  # the linear kernel: likewise (rounding-level differences)
+    tree["engine"].pop("cpu_fused")                   # the fused norm / MLP kernels: likewise
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")
     models = tree["models"]                           # likewise for runs without the suffix drafter

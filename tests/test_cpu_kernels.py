@@ -4,6 +4,7 @@ shape, through the runner against torch's linears, the engine's greedy output th
 Hugging Face generate, and the engine.cpu_linear modes. (The greedy-identity, KV-invariant and
 chi-square tests run the engine on it too: it is the default on CPU fp32.)"""
 import copy
+import ctypes
 import pickle
 
 import pytest
@@ -31,6 +32,21 @@ def test_build_is_cached_and_keyed(tmp_path, monkeypatch, source):
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : some other cpu")
     assert cpu_kernels.build(source) != first                                          # another CPU: its own build
     assert len(list(tmp_path.glob(f"{source.stem}-*.so"))) == 2
+
+
+def test_header_edit_rebuilds(tmp_path, monkeypatch):
+    """A source that includes a header beside it (csrc/vmath.h) gets a new build when the header
+    changes, not the stale library of the old header."""
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path / "cache"))
+    src_dir = tmp_path / "csrc"
+    src_dir.mkdir()
+    (src_dir / "k.h").write_text("static inline int answer(void) { return 1; }\n")
+    source = src_dir / "k.c"
+    source.write_text('#include "k.h"\nint get(void) { return answer(); }\n')
+    first = cpu_kernels.build(source)
+    (src_dir / "k.h").write_text("static inline int answer(void) { return 2; }\n")
+    second = cpu_kernels.build(source)
+    assert second != first and ctypes.CDLL(str(second)).get() == 2
 
 
 def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
@@ -168,8 +184,9 @@ def test_runner_uses_panels_by_default_on_cpu_fp32():
     model = tiny_llama(seed=3)
     plain = copy.deepcopy(model)
     runner = ModelRunner(model, 2, 64)
-    num_linear = sum(type(m) is nn.Linear for m in plain.modules())
-    assert runner.panel_linears == num_linear > 0 and runner.packed_linears == 0
+    num_linear = sum(type(m) is nn.Linear for m in plain.modules())      # gate + up: one linear (cpu_fused)
+    assert runner.fused_mlps == 2
+    assert runner.panel_linears == num_linear - runner.fused_mlps > 0 and runner.packed_linears == 0
     assert not any(type(m) is nn.Linear for m in model.modules())
     ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
     with torch.no_grad():

@@ -3,7 +3,7 @@
 Each kernel is one C file, built with the system C compiler the first time a runner asks for it
 (about a second): -O3, the host's own vector instructions (-march=native), OpenMP (torch's runtime
 is the one loaded). The shared library is cached under SPECPIPE_KERNEL_CACHE (default
-~/.cache/specpipe/kernels), keyed by the source, the compiler and the CPU's instruction-set flags, so
+~/.cache/specpipe/kernels), keyed by the source (and the headers beside it), the compiler and the CPU's instruction-set flags, so
 a home directory shared by unlike machines gets one build per kind, and a source edit rebuilds.
 Concurrent workers may build the same file: the last atomic rename wins, with identical content.
 
@@ -68,7 +68,8 @@ def build(source: Path) -> Path:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, _cpu_flags(),
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]    # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     cache = _cache_dir()
     lib = cache / f"{source.stem}-{key}.so"

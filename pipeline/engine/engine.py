@@ -27,6 +27,7 @@ import torch
 
 from .adaptive import AdaptiveDraftLength, CostModel
 from .cpu_attention import MODES as CPU_ATTENTION_MODES
+from .cpu_fused import MODES as CPU_FUSED_MODES
 from .cpu_linear import MODES as CPU_LINEAR_MODES
 from .drafters import DraftBatch, Drafter, NoDrafter
 from .logits import row_probs
@@ -50,9 +51,11 @@ class EngineConfig:
                                      # inductor can compile, on steps where it is the cheaper kernel) |
                                      # on (every step) | off (eager padded SDPA)
     cpu_attention: str = "auto"      # attention on CPU by our C kernel (cpu_attention.py), each row its own keys:
-                                     # auto (where it builds, fp32) | on (raise where not) | off (torch)
-    cpu_linear: str = "auto"         # with packed_linear, on CPU: our C panel kernel (cpu_linear.py), fp32:
+                                     # auto (where it builds, fp32/bf16) | on (raise where not) | off (torch)
+    cpu_linear: str = "auto"         # with packed_linear, on CPU: our C panel kernel (cpu_linear.py), fp32/bf16:
                                      # auto (where it builds) | on (raise where not) | off (oneDNN's)
+    cpu_fused: str = "auto"          # on CPU: RMSNorm and silu(gate) * up as one pass each (cpu_fused.py):
+                                     # auto (where it builds) | on (raise where not) | off (the model's modules)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -67,6 +70,8 @@ class EngineConfig:
                              f"got {self.cpu_attention!r}")
         if self.cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"engine.cpu_linear: expected one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
+        if self.cpu_fused not in CPU_FUSED_MODES:
+            raise ValueError(f"engine.cpu_fused: expected one of {CPU_FUSED_MODES}, got {self.cpu_fused!r}")
         if self.cpu_linear == "on" and not self.packed_linear:
             raise ValueError("engine.cpu_linear=on needs engine.packed_linear=true (false keeps torch's linears)")
 

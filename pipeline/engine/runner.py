@@ -14,6 +14,8 @@ import inspect
 import torch
 
 from .cpu_attention import policy as cpu_attention_policy
+from .cpu_fused import fuse
+from .cpu_fused import policy as cpu_fused_policy
 from .cpu_linear import can_pack, pack_linears, panel_linears
 from .cpu_linear import policy as cpu_linear_policy
 from .flex import capacity, flex_unavailable, prefer_flex
@@ -50,7 +52,8 @@ def _text_config(config):
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
-                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto"):
+                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
+                 cpu_fused: str = "auto"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -69,6 +72,10 @@ class ModelRunner:
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
+        # On CPU: RMSNorms and SiLU MLPs as one pass each, gate and up as one linear (cpu_fused.py), before
+        # the linears are swapped below (the merged gate/up is a plain nn.Linear). Mutates the model.
+        self.cpu_fused = cpu_fused_policy(cpu_fused, self.device, self.dtype)
+        self.fused_norms, self.fused_mlps = fuse(model, self.cpu_fused) if self.cpu_fused is not None else (0, 0)
         # On CPU, regroup the linear weights once for our panel kernel (fp32 or bf16), else reorder them for
         # oneDNN: a decoding step then streams the weights at memory speed, and verifying a few tokens
         # per sequence costs little more than one (see cpu_linear.py). Mutates the model in place.

@@ -22,12 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
+#include "vmath.h"
 
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-/* A broadcast. Not `v8 a = {0}; a += s`: that costs an add per broadcast (0 + s is not s for s = -0). */
-static inline v8 splat(float s) { return (v8){s, s, s, s, s, s, s, s}; }
 
 enum { NR = 16, MR = 6, KC = 512, MC = 96 };
 
@@ -41,7 +37,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
     for (int m = 0; m < rows; m++) {
         const float *from = first ? bias : y + m * ldy;
         if (from == NULL) {
-            c[m][0] = c[m][1] = splat(0.0f);
+            c[m][0] = c[m][1] = splat8(0.0f);
         } else if (nvalid == NR) {
             c[m][0] = load8(from);
             c[m][1] = load8(from + 8);
@@ -53,17 +49,17 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
         }
     }
     if (rows == 1) {          /* a stream: two k per iteration, so four accumulators hide FMA latency */
-        v8 d0 = splat(0.0f), d1 = splat(0.0f);
+        v8 d0 = splat8(0.0f), d1 = splat8(0.0f);
         int64_t k = 0;
         for (; k + 1 < kc; k += 2) {
-            v8 a0 = splat(x[k]), a1 = splat(x[k + 1]);
+            v8 a0 = splat8(x[k]), a1 = splat8(x[k + 1]);
             c[0][0] += a0 * load8(panel + k * NR);
             c[0][1] += a0 * load8(panel + k * NR + 8);
             d0 += a1 * load8(panel + k * NR + NR);
             d1 += a1 * load8(panel + k * NR + NR + 8);
         }
         if (k < kc) {
-            v8 a0 = splat(x[k]);
+            v8 a0 = splat8(x[k]);
             c[0][0] += a0 * load8(panel + k * NR);
             c[0][1] += a0 * load8(panel + k * NR + 8);
         }
@@ -73,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
         for (int64_t k = 0; k < kc; k++) {
             v8 b0 = load8(panel + k * NR), b1 = load8(panel + k * NR + 8);
             for (int m = 0; m < rows; m++) {
-                v8 a = splat(x[m * ldx + k]);
+                v8 a = splat8(x[m * ldx + k]);
                 c[m][0] += a * b0;
                 c[m][1] += a * b1;
             }

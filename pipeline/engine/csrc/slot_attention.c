@@ -26,20 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-typedef uint16_t h8 __attribute__((vector_size(16)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-/* Eight bf16 -> fp32: a bf16 is the upper half of the fp32 with the same value. */
-static inline v8 load8_bf16(const uint16_t *p) {
-    h8 h;
-    memcpy(&h, p, sizeof h);
-    return (v8)(__builtin_convertvector(h, u8) << 16);
-}
+#include "vmath.h"
 
 /* Lane i of the result: the sum of the lanes of a[i]. */
 #define PAIRS(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) \
@@ -53,15 +40,12 @@ static inline v8 reduce8(const v8 a[8]) {
     return HALVES(QUADS(b0, b1), QUADS(b2, b3));
 }
 
-static inline v8 select8(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
-
 /* x[0, m) <- e^(x - max x[0, m)); returns their sum. x has room for m rounded up to 8 (scratch). */
 static float softmax_numerators(float *x, int64_t m) {
-    const float lo = -87.0f;                              /* e^-87 ~ 1.6e-38: the smallest normal */
-    const v8 lov = {lo, lo, lo, lo, lo, lo, lo, lo};
     int64_t n8 = (m + 7) & ~(int64_t)7;
-    /* The padding lanes must never be the maximum: with `lo` there, a row whose every score is
-     * below -87 (real models have such heads) took -87 as its max and lost its softmax. */
+    /* The padding lanes must never be the maximum: with -87 there (exp8_nonpositive's floor), a row
+     * whose every score is below -87 (real models have such heads) took -87 as its max and lost
+     * its softmax. */
     for (int64_t i = m; i < n8; i++) x[i] = -FLT_MAX;
     v8 mxv = load8(x);
     for (int64_t i = 8; i < n8; i += 8) {
@@ -72,15 +56,7 @@ static float softmax_numerators(float *x, int64_t m) {
     for (int i = 1; i < 8; i++) mx = mxv[i] > mx ? mxv[i] : mx;
     v8 sum = {0};
     for (int64_t i = 0; i < n8; i += 8) {
-        v8 v = load8(x + i) - mx;
-        v = select8(v > lov, v, lov);
-        v8 t = v * 1.44269504088896341f - 0.5f;           /* v <= 0: trunc(t) = round(v log2 e) */
-        i8 k = __builtin_convertvector(t, i8);
-        v8 kf = __builtin_convertvector(k, v8);
-        v8 r = v - kf * 0.693145751953125f - kf * 1.428606765330187045e-06f;   /* ln 2, split */
-        v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
-               + r * (0.0083333338f + r * 0.0013888889f)))));
-        v8 e = p * (v8)((k + 127) << 23);
+        v8 e = exp8_nonpositive(load8(x + i) - mx);
         store8(x + i, e);
         if (i + 8 <= m) sum += e;
         else for (int64_t j = i; j < m; j++) sum[0] += e[j - i];

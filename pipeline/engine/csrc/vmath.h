@@ -1,0 +1,52 @@
+/* Vector helpers shared by our C kernels (slot_attention.c, fused_ops.c, panel_linear.c): portable GCC (>= 12) /
+ * Clang vector extensions, eight fp32 lanes. Included by each kernel's single source file; the
+ * build's cache key covers this header too (cpu_kernels.py). */
+#ifndef SPECPIPE_VMATH_H
+#define SPECPIPE_VMATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+/* A broadcast. Not `v8 a = {0}; a += s`: that costs an add per broadcast (0 + s is not s for s = -0). */
+static inline v8 splat8(float s) { return (v8){s, s, s, s, s, s, s, s}; }
+static inline v8 select8(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
+
+/* Eight bf16 -> fp32: a bf16 is the upper half of the fp32 with the same value. */
+static inline v8 load8_bf16(const uint16_t *p) {
+    h8 h;
+    memcpy(&h, p, sizeof h);
+    return (v8)(__builtin_convertvector(h, u8) << 16);
+}
+
+/* Eight fp32 -> bf16, rounded to nearest even (as torch's .to(bfloat16)); NaN stays NaN. */
+static inline void store8_bf16(uint16_t *p, v8 v) {
+    u8 u = (u8)v;
+    u8 nan = (u8)((u & 0x7fffffffu) > 0x7f800000u);       /* all ones where NaN */
+    u8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    u8 quiet = (u >> 16) | 0x40u;
+    h8 h = __builtin_convertvector((rounded & ~nan) | (quiet & nan), h8);
+    memcpy(p, &h, sizeof h);
+}
+
+/* e^v for v <= 0, lanes below -87 taken as -87 (e^-87 ~ 1.6e-38, the smallest normal): 2^k times a
+ * degree-6 polynomial in the remainder, relative error ~1e-7. */
+static inline v8 exp8_nonpositive(v8 v) {
+    const v8 lo = splat8(-87.0f);
+    v = select8(v > lo, v, lo);
+    v8 t = v * 1.44269504088896341f - 0.5f;               /* v <= 0: trunc(t) = round(v log2 e) */
+    i8 k = __builtin_convertvector(t, i8);
+    v8 kf = __builtin_convertvector(k, v8);
+    v8 r = v - kf * 0.693145751953125f - kf * 1.428606765330187045e-06f;   /* ln 2, split */
+    v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
+           + r * (0.0083333338f + r * 0.0013888889f)))));
+    return p * (v8)((k + 127) << 23);
+}
+
+#endif
