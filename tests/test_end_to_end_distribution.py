@@ -56,6 +56,8 @@ def models():
 
 
 CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel unless "flex"
+    # no drafts at all: the verifier's plain-decoding path (every row sampled, no draft rows)
+    "plain": ("none", SamplingParams(max_tokens=LENGTH, temperature=0.7, top_p=0.9)),
     "draft-prob": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
     "draft-prob-flex": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0), "flex"),
     "draft-greedy+filters": ("draft-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.8, top_k=6, top_p=0.95)),
@@ -86,6 +88,9 @@ def test_continuations_match_exact_target(models, case):
             key = tuple(c.output_ids)
             counts[key] = counts.get(key, 0) + 1
     assert sum(counts.values()) == N
-    assert 0 < accepted < drafted, "the case must exercise both acceptance and rejection"
+    if kind == "none":
+        assert drafted == 0
+    else:
+        assert 0 < accepted < drafted, "the case must exercise both acceptance and rejection"
     pvalue = chi2_pvalue(counts, exact_distribution(target, params), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"

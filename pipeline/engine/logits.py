@@ -38,6 +38,7 @@ class RowParams:
     is_greedy: torch.Tensor
     has_filters: bool
     has_penalties: bool
+    any_greedy: bool                 # host-side: some row is greedy (no device read to know)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "RowParams":
@@ -52,6 +53,7 @@ class RowParams:
             is_greedy=cols[0] == 0,
             has_filters=any(p.has_filters and not p.is_greedy for p in params),
             has_penalties=any(p.has_penalties for p in params),
+            any_greedy=any(p.is_greedy for p in params),
         )
 
 
@@ -113,13 +115,13 @@ def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Te
     logits = logits.float()
     if rp.has_penalties:
         logits = apply_penalties(logits, rp, output_counts, prompt_counts)
-    greedy_choice = logits.argmax(dim=-1)                                 # [rows]
+    greedy_choice = logits.argmax(dim=-1) if rp.any_greedy else None      # [rows]
     temp = torch.where(rp.is_greedy, torch.ones_like(rp.temperature), rp.temperature)
     logits = logits / temp.unsqueeze(1)
     if rp.has_filters:
         logits = _filter(logits, rp)
     probs = logits.softmax(dim=-1)
-    if bool(rp.is_greedy.any()):
+    if rp.any_greedy:
         onehot = torch.zeros_like(probs).scatter_(1, greedy_choice.unsqueeze(1), 1.0)
         probs = torch.where(rp.is_greedy.unsqueeze(1), onehot, probs)
     return probs
