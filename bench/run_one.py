@@ -47,7 +47,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     models = ModelsConfig(target=target, draft=draft if drafter in ("draft", "hybrid") else None,
                           drafter=drafter, dtype=args.dtype, device=args.device,
                           draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                          suffix=SuffixSection(**json.loads(args.suffix)))
+                          suffix=SuffixSection(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
                             adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile,
@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=["engine", "hf-static", "hf-plain", "hf-assisted", "hf-lookup"])
     ap.add_argument("--drafter", default="none", choices=["none", "ngram", "suffix", "draft", "hybrid"])
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--hybrid-proposer", default="ngram", choices=["ngram", "suffix"],
+                    help="hybrid's free first part (models.hybrid_proposer)")
     ap.add_argument("--calibrate", action="store_true", help="measure cost curves (for the speedup model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--g", type=int, default=4)
