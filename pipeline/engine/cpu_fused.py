@@ -5,14 +5,18 @@ them were what was left, and torch runs each as its own pass over memory. Measur
 2-core AVX-512 box (SmolLM2-135M, fp32, a 2048-token prefill forward): of ~400 ms of torch ops, SiLU
 alone took 89 ms and the multiplies 166 ms; RMSNorm is five passes (pow, mean, add, rsqrt, two
 multiplies). Here:
-  * RMSNorm modules of the model families below become `KernelRMSNorm`: one read of x, one write;
-  * their MLPs, down(silu(gate(x)) * up(x)), become `GateUpMLP`: gate and up are one linear of twice
+  * RMSNorm modules of the model families below become `KernelRMSNorm`: one read of x, one write
+    (fp32 and bf16);
+  * fp32 MLPs, down(silu(gate(x)) * up(x)), become `GateUpMLP`: gate and up are one linear of twice
     the width (one weight stream, one kernel call instead of two), then silu(gate) * up in one pass.
+    bf16 MLPs keep their modules: a bf16 product kernel of ours (fused_ops.c says how) and torch's
+    ops on the halves of a merged gate/up both measured slower in a 2048-token prefill than the
+    module's contiguous gate and up (bench/step_split.py, bench/RESULTS.md "Session 7").
 The new linears are plain `nn.Linear`s, so the runner's linear kernel (ours or oneDNN's) takes them
 like any other.
 
 Numerics: fp32 arithmetic, and in bf16 torch's roundings at the same places (the normalised x is
-rounded before the product with the weight; silu(gate) before the product with up). What differs
+rounded before the product with the weight). What differs
 from the Hugging Face modules is the order of one sum (the mean square) and our exponential
 (relative error ~1e-7): rounding-level, like our linear kernel's. The kernels are checked against
 the Hugging Face modules themselves before first use.
@@ -61,14 +65,15 @@ class FusedOps:
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._norm, self._silu = {}, {}
+        self._norm = {}
         for dtype, suffix in DTYPES.items():
             norm = getattr(self._lib, f"rms_norm_{suffix}")
             norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-            silu = getattr(self._lib, f"silu_mul_{suffix}")
-            silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
-            norm.restype = silu.restype = ctypes.c_int
-            self._norm[dtype], self._silu[dtype] = norm, silu
+            norm.restype = ctypes.c_int
+            self._norm[dtype] = norm
+        self._silu = self._lib.silu_mul_f32
+        self._silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        self._silu.restype = ctypes.c_int
 
     def __deepcopy__(self, memo):                       # one loaded library per process: copies share it
         return self
@@ -90,23 +95,22 @@ class FusedOps:
         return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., 2 * inter] (gate, then up), fp32 or bf16: silu(gate) * up, [..., inter]."""
-        if gate_up.dtype not in DTYPES or gate_up.shape[-1] % 2:
-            raise ValueError(f"silu_mul: {tuple(gate_up.shape)} {gate_up.dtype}: expected [..., 2 * inter], "
-                             f"fp32 or bf16")
-        gate_up = gate_up.contiguous()
+        """gate_up [..., 2 * inter] fp32 (gate, then up): silu(gate) * up, [..., inter], in one pass."""
+        if gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2:
+            raise ValueError(f"silu_mul: {tuple(gate_up.shape)} {gate_up.dtype}: expected [..., 2 * inter] fp32")
         inter = gate_up.shape[-1] // 2
+        gate_up = gate_up.contiguous()
         y = gate_up.new_empty((*gate_up.shape[:-1], inter))
         rows = y.numel() // inter if inter else 0
         if rows:
-            self._status(self._silu[gate_up.dtype](gate_up.data_ptr(), y.data_ptr(), rows, inter,
-                                                   torch.get_num_threads()), "silu_mul")
+            self._status(self._silu(gate_up.data_ptr(), y.data_ptr(), rows, inter, torch.get_num_threads()),
+                         "silu_mul")
         return y
 
     @staticmethod
     def _status(status: int, name: str) -> None:
         if status != 0:
-            raise ValueError(f"{name}: bf16 sizes must be multiples of 8 (kernel status {status})")
+            raise ValueError(f"{name}: bf16 rows must be a multiple of 8 long (kernel status {status})")
 
 
 class KernelRMSNorm(nn.Module):
@@ -147,14 +151,16 @@ class GateUpMLP(nn.Module):
 
 
 def _is_silu_mlp(module: nn.Module, mlp_classes: tuple[type, ...]) -> bool:
+    """An fp32 gated MLP of a known family with SiLU (what GateUpMLP computes)."""
     from transformers.activations import SiLUActivation
     return type(module) in mlp_classes and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)) \
+        and module.gate_proj.weight.dtype == torch.float32 \
         and (module.gate_proj.bias is None) == (module.up_proj.bias is None)
 
 
 @torch.no_grad()
 def fuse(model: nn.Module, ops: FusedOps) -> tuple[int, int]:
-    """Replace the model's RMSNorms and SiLU MLPs of known families (NORMS, MLPS) in place by
+    """Replace the model's RMSNorms and fp32 SiLU MLPs of known families (NORMS, MLPS) in place by
     KernelRMSNorm / GateUpMLP. Returns (norms, mlps) replaced. Call before the linears are swapped
     for a kernel's (the new gate/up linear is a plain nn.Linear)."""
     norm_classes, mlp_classes = _classes(NORMS), _classes(MLPS)
@@ -178,8 +184,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}          # bf16: one rou
 
 
 def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) -> float:
-    """The kernels against transformers' own LlamaRMSNorm and LlamaMLP (random weights, fp32 and bf16):
-    the largest difference relative to the output's largest magnitude."""
+    """The kernels against transformers' own LlamaRMSNorm (fp32 and bf16) and LlamaMLP (fp32), random
+    weights: the largest difference relative to the output's largest magnitude, over its tolerance."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
     gen = torch.Generator().manual_seed(seed)
@@ -192,7 +198,10 @@ def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) 
         for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             lin.weight.data = (torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5).to(dtype)
         x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
-        for want, got in ((norm(x), KernelRMSNorm(norm, ops)(x)), (mlp(x), GateUpMLP(mlp, ops)(x))):
+        pairs = [(norm(x), KernelRMSNorm(norm, ops)(x))]
+        if dtype == torch.float32:
+            pairs.append((mlp(x), GateUpMLP(mlp, ops)(x)))
+        for want, got in pairs:
             err = (got.double() - want.double()).abs().max() / want.double().abs().max()
             worst = max(worst, err.item() / TOLERANCE[dtype])
     return worst

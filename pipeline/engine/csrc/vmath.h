@@ -25,13 +25,18 @@ static inline v8 load8_bf16(const uint16_t *p) {
     return (v8)(__builtin_convertvector(h, u8) << 16);
 }
 
-/* Eight fp32 -> bf16, rounded to nearest even (as torch's .to(bfloat16)); NaN stays NaN. */
-static inline void store8_bf16(uint16_t *p, v8 v) {
+/* Eight fp32 rounded to bf16 precision, to nearest even (as torch's .to(bfloat16)), still as fp32
+ * (the low 16 bits zero); NaN stays NaN (quiet). */
+static inline v8 round8_bf16(v8 v) {
     u8 u = (u8)v;
-    u8 nan = (u8)((u & 0x7fffffffu) > 0x7f800000u);       /* all ones where NaN */
-    u8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    u8 quiet = (u >> 16) | 0x40u;
-    h8 h = __builtin_convertvector((rounded & ~nan) | (quiet & nan), h8);
+    u8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    u8 quiet = (u | 0x00400000u) & 0xffff0000u;
+    return (v8)select8(v == v, (v8)rounded, (v8)quiet);
+}
+
+/* Eight fp32 -> bf16, rounded to nearest even; NaN stays NaN. */
+static inline void store8_bf16(uint16_t *p, v8 v) {
+    h8 h = __builtin_convertvector((u8)round8_bf16(v) >> 16, h8);
     memcpy(p, &h, sizeof h);
 }
 

@@ -1,0 +1,90 @@
+"""Our CPU attention kernel (csrc/slot_attention.c) alone, at SmolLM2's shapes (9 query heads, 3 KV
+heads, head size 64), against the same kernel built from an earlier commit's source.
+
+    .venv/bin/python -m bench.attention_kernel --against b86b6a5~1 --dtypes float32,bfloat16
+
+Shapes (one layer's call; x 30 for SmolLM2's 30 layers):
+  prefill   8 rows x 256 new tokens from position 0 (a 2048-token prefill chunk, causal)
+  decode    64 rows x 1 token at ~330 context (plain decoding, all at once)
+  verify    32 rows x 5 tokens at ~300 context (verifying 4 drafts per row)
+Median of --repeats calls after a warm-up, ms per 30 layers, and GFLOP/s (4 x heads x dim x keys
+seen, summed over queries). Every output is checked against the plain-torch reference first.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.engine import cpu_kernels
+from pipeline.engine.cpu_attention import SOURCE, CpuAttention, reference
+
+SHAPES = {"prefill": [(0, 256)] * 8, "decode": [(330 + i % 30, 1) for i in range(64)],
+          "verify": [(300 + i % 30, 5) for i in range(32)]}
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
+
+
+def source_at(rev: str, into: Path) -> Path:
+    """The kernel's C source (and the headers beside it) as of `rev`, written under `into`."""
+    rel = SOURCE.relative_to(Path(__file__).resolve().parents[1])
+    out = into / SOURCE.name
+    out.write_text(subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True, check=True).stdout)
+    listing = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{rel.parent}/"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    for name in (n for n in listing if n.endswith(".h")):
+        (into / Path(name).name).write_text(subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True,
+                                                           text=True, check=True).stdout)
+    return out
+
+
+def case(rows, dtype, gen):
+    n, cap = len(rows), 1024
+    k_store = torch.randn(n, KV_HEADS, cap, DIM, generator=gen).to(dtype)
+    v_store = torch.randn(n, KV_HEADS, cap, DIM, generator=gen).to(dtype)
+    first = [0]
+    for _, m in rows:
+        first.append(first[-1] + m)
+    table = torch.tensor([list(range(n)), [s for s, _ in rows], [m for _, m in rows], first[:-1]], dtype=torch.long)
+    query = torch.randn(first[-1], HEADS, DIM, generator=gen)
+    flops = sum(4 * HEADS * DIM * sum(s + i + 1 for i in range(m)) for s, m in rows)
+    return query, k_store, v_store, table, flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", default=None, help="a git revision whose kernel source to time as well")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="KV store dtypes")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = {"this": CpuAttention(cpu_kernels.build(SOURCE))}
+    tmp = Path(tempfile.mkdtemp(prefix="attention-kernel-"))
+    if args.against:
+        kernels[args.against] = CpuAttention(cpu_kernels.build(source_at(args.against, tmp)))
+    print("| store | shape | " + " | ".join(f"{k} ms x{LAYERS} | GFLOP/s" for k in kernels) + " |")
+    print("|---|---|" + "---|---|" * len(kernels))
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for name, rows in SHAPES.items():
+            query, k_store, v_store, table, flops = case(rows, dtype, torch.Generator().manual_seed(0))
+            want = reference(query, k_store, v_store, table, DIM ** -0.5)
+            cells = []
+            for kernel in kernels.values():
+                got = kernel(query, k_store, v_store, table, DIM ** -0.5)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    kernel(query, k_store, v_store, table, DIM ** -0.5)
+                    times.append(time.perf_counter() - t0)
+                med = sorted(times)[len(times) // 2]
+                cells.append(f"{med * LAYERS * 1e3:.1f} | {flops / med / 1e9:.1f}")
+            print(f"| {str(dtype).removeprefix('torch.')} | {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
