@@ -193,13 +193,13 @@ def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) 
     for (rows, hidden, inter), dtype in ((s, d) for s in sizes for d in DTYPES):
         norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
         norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
-        mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
-                                     num_attention_heads=1, num_key_value_heads=1)).to(dtype)
-        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            lin.weight.data = (torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5).to(dtype)
         x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
         pairs = [(norm(x), KernelRMSNorm(norm, ops)(x))]
-        if dtype == torch.float32:
+        if dtype == torch.float32:                      # GateUpMLP is fp32 only (bf16 keeps its modules)
+            mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
+                                       num_attention_heads=1, num_key_value_heads=1))
+            for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                lin.weight.data = torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5
             pairs.append((mlp(x), GateUpMLP(mlp, ops)(x)))
         for want, got in pairs:
             err = (got.double() - want.double()).abs().max() / want.double().abs().max()

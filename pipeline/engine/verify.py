@@ -116,12 +116,9 @@ def verify(
         # p == q exactly makes rejection impossible; guard the 0/0 anyway.
         empty = residual.sum(dim=-1) <= 0
         final_dist[rej_seq] = torch.where(empty.unsqueeze(1), final_p[rej_seq], residual)
-    if bool(is_greedy.all()):
-        final_tok = final_p.argmax(dim=-1)
-    elif bool(is_greedy.any()):
-        final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), sample_from_probs(final_dist, sample_uniforms))
-    else:                                  # every row sampled: no vocabulary-wide argmax
-        final_tok = sample_from_probs(final_dist, sample_uniforms)
+    final_tok = sample_from_probs(final_dist, sample_uniforms)
+    if bool(is_greedy.any()):              # no vocabulary-wide argmax where every row samples
+        final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), final_tok)
 
     return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok)
 

@@ -13,7 +13,7 @@
  *   silu_mul_f32 gu [rows, 2 * inter] (gate, then up), y [rows, inter]:  y = silu(gate) * up
  *                (silu(x) = x / (1 + e^-x)). fp32 only: a bf16 version (widen, silu, round, multiply,
  *                round) measured 2.7 ms on [2048 x 2 * 1536] here against torch's 1.85 for its two
- *                passes, so bf16 keeps torch's ops for this product (cpu_fused.py).
+ *                passes, so bf16 MLPs keep their modules (cpu_fused.py).
  * Rows are spread over the threads when there are enough of them to pay for it.
  */
 #include <math.h>

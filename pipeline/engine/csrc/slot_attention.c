@@ -118,7 +118,7 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
             for (int i = 0; i < QB; i++)                                                               \
                 if (l + 8 <= mq[i]) store8(s + i * stride + l, reduce8(acc[i]) * scale);               \
         }                                                                                              \
-        for (int i = 0; i < nq; i++) {   /* each query's last m % 8 keys one at a time, as alone */   \
+        for (int i = 0; i < QB; i++) {   /* each query's last m % 8 keys one at a time, as alone */   \
             for (int64_t l = mq[i] & ~(int64_t)7; l < mq[i]; l++) {                                    \
                 v8 acc = {0};                                                                          \
                 for (int64_t d = 0; d < DIM; d += 8) acc += load8(qp[i] + d) * LOADKV(K + l * DIM + d); \
