@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from . import report_stats as st
 from .config import StorageConfig
 from .io.reader import filesystem
+from .io.storage import arrow_input
 from .io.schema import TABLES
 from .io.writer import KINDS, RunOutput
 
@@ -38,12 +39,10 @@ def load(run_url: str, kind: str, storage: StorageConfig = StorageConfig(), colu
     tables = []
     for url in _output(run_url, storage).committed_files(kind):
         fs, path = filesystem(url, storage)
-        with fs.open(path, "rb") as f:
-            # ParquetFile, not read_table: read_table goes through pyarrow.dataset's async scanner,
-            # whose threads aborted a driver at interpreter exit (seen once under `ray job submit`)
-            pf = pq.ParquetFile(f)
+        with arrow_input(fs, path) as (f, threaded):
+            pf = pq.ParquetFile(f, pre_buffer=threaded)
             cols = columns or ([c for c in pf.schema_arrow.names if c not in exclude] if exclude else None)
-            tables.append(pf.read(columns=cols))
+            tables.append(pf.read(columns=cols, use_threads=threaded))
     return pa.concat_tables(tables) if tables else TABLES[kind].empty_table()
 
 

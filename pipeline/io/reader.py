@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import InputConfig, StorageConfig
+from .storage import arrow_input
 
 READ_BATCH_ROWS = 64
 
@@ -150,9 +151,9 @@ def _glob_base(pattern: str) -> str:
 
 def _columns_and_rows(url: str, fmt: str, storage: StorageConfig) -> tuple[list[str], int]:
     fs, path = filesystem(url, storage)
-    with fs.open(path, "rb") as f:
+    with arrow_input(fs, path) as (f, threaded):
         if fmt == "parquet":
-            meta = pq.ParquetFile(f).metadata
+            meta = pq.ParquetFile(f, pre_buffer=threaded).metadata
             return meta.schema.to_arrow_schema().names, meta.num_rows
         if fmt == "arrow":
             reader = _arrow_reader(f)
@@ -229,12 +230,12 @@ def _mark_duplicates(units: list[Unit], cfg: InputConfig, storage: StorageConfig
 def _ids(span: Unit, column: str, storage: StorageConfig) -> Iterator[tuple[int, object]]:
     """(row index, id or None) over a row range, reading one column as Arrow arrays."""
     fs, path = filesystem(span.file, storage)
-    with fs.open(path, "rb") as f:
+    with arrow_input(fs, path) as (f, threaded):
         if span.fmt == "jsonl":
             for index, row in _jsonl_rows(f, span, [column]):
                 yield index, row.get(column)
             return
-        for offset, batch in _batches(f, span, [column]):
+        for offset, batch in _batches(f, threaded, span, [column]):
             if column not in batch.schema.names:
                 return
             yield from enumerate(batch.column(column).to_pylist(), start=offset)
@@ -245,19 +246,20 @@ def iter_rows(unit: Unit, storage: StorageConfig, columns: list[str] | None = No
     """(row index in the file, row dict) for the unit's rows, one record batch at a time. Columns
     not present in the file are skipped."""
     fs, path = filesystem(unit.file, storage)
-    with fs.open(path, "rb") as f:
+    with arrow_input(fs, path) as (f, threaded):
         if unit.fmt == "jsonl":
             yield from _jsonl_rows(f, unit, columns)
             return
-        for offset, batch in _batches(f, unit, columns):
+        for offset, batch in _batches(f, threaded, unit, columns):
             for i, row in enumerate(batch.to_pylist()):
                 yield offset + i, row
 
 
-def _batches(f, unit: Unit, columns) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """Record batches covering [start, stop), sliced to the range, with their first row index."""
+def _batches(f, threaded: bool, unit: Unit, columns) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Record batches covering [start, stop), sliced to the range, with their first row index;
+    `threaded` as storage.arrow_input says."""
     if unit.fmt == "parquet":
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, pre_buffer=threaded)
         names = pf.schema_arrow.names
         cols = [c for c in columns if c in names] if columns is not None else None
         sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
@@ -265,7 +267,8 @@ def _batches(f, unit: Unit, columns) -> Iterator[tuple[int, pa.RecordBatch]]:
         row_groups = [g for g in range(len(sizes))     # only row groups overlapping the range
                       if starts[g] < unit.stop and starts[g] + sizes[g] > unit.start]
         offset = starts[row_groups[0]] if row_groups else unit.stop
-        source = pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=row_groups, columns=cols)
+        source = pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=row_groups, columns=cols,
+                                 use_threads=threaded)
     else:
         reader = _arrow_reader(f)
         names = reader.schema.names

@@ -7,6 +7,8 @@ transient failures, atomic whole-object writes, and exclusive create.
 - `put_atomic(fs, path, data)`: a reader sees the old object, or the whole new one, never a part.
   Object stores give that with one PUT; on a local disk it is temp file + fsync + rename + directory
   fsync (a crash or a full disk leaves the old file or nothing, never a torn one).
+- `arrow_input(fs, path)`: a file to hand to pyarrow, and whether pyarrow may use its threads on it
+  (see its docstring: a Python file object read from Arrow's pools can abort the process at exit).
 - `create_exclusive(fs, path, data)`: True if this call created the object, False if it existed.
   Local disks: a hard link of a complete temp file (link fails if the name exists). S3: a PUT with
   `If-None-Match: *` (AWS S3, MinIO and moto honour it), then a read-back of our nonce; elsewhere
@@ -22,9 +24,11 @@ import os
 import posixpath
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
+import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
 T = TypeVar("T")
@@ -75,6 +79,35 @@ def retrying(policy: RetryPolicy, what: str, op: Callable[[], T]) -> T:
 
 def is_local(fs) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+@contextmanager
+def arrow_input(fs, path: str) -> Iterator[tuple[object, bool]]:
+    """(file, threaded): `path` opened for pyarrow, and whether pyarrow may read it from its own threads.
+
+    A local path opens as an Arrow-native file: pyarrow's I/O and CPU pools read and decode it without
+    touching Python, so `threaded` is True. Any other filesystem's handle is a Python object, and
+    pyarrow wraps what it reads from one in buffers that own Python objects. If a pool thread drops
+    such a buffer after the interpreter has begun to exit, it cannot take the GIL, and the process
+    aborts ("terminate called without an active exception", exit -6). CI saw this in a driver that had
+    finished its job. `pq.read_table` on an fsspec handle, as the last line of a script, aborted 4 of
+    10 runs here. So for a Python handle `threaded` is False: the caller must read it on its own
+    thread (Parquet: `pre_buffer=False`, `use_threads=False`), and then no pool thread ever holds a
+    Python buffer. pyarrow's JSON reader reads ahead on a pool thread even with `use_threads=False`:
+    give it `pa.BufferReader(arrow_owned(f.read()))` instead."""
+    if is_local(fs):
+        with pa.OSFile(path, "rb") as f:
+            yield f, True
+    else:
+        with fs.open(path, "rb") as f:
+            yield f, False
+
+
+def arrow_owned(data: bytes) -> pa.Buffer:
+    """`data` copied into Arrow-allocated memory, which Arrow's threads may drop without the GIL."""
+    buf = pa.allocate_buffer(len(data))
+    pa.FixedSizeBufferWriter(buf).write(data)
+    return buf
 
 
 def _write_synced(path: str, data: bytes) -> None:
