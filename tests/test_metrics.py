@@ -139,7 +139,7 @@ def _run(cfg, result: dict) -> None:
 
 def _input(path: Path) -> None:
     rows = [{"id": f"m{i}", "prompt": " ".join(["alpha beta gamma delta"] * (2 + i % 4)) + f" {i}"}
-            for i in range(24)] + [{"id": "e1", "prompt": "   "}, {"id": "e2", "prompt": "Hi", "temperature": -1.0},
+            for i in range(48)] + [{"id": "e1", "prompt": "   "}, {"id": "e2", "prompt": "Hi", "temperature": -1.0},
                                    {"id": "e3", "prompt": "Hi", "top_p": 2.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -174,26 +174,31 @@ def _totals(series: dict, expected: dict) -> dict:
 
 @pytest.mark.slow
 def test_live_metrics_scraped_during_and_after_a_job(tiny_model_dir, noisy_draft_dir, metrics_head, tmp_path):
+    """The series must show while the job runs: a worker flushes at most once a second and the node
+    exports every 0.5 s, so the first scrape that can see them comes ~1.5 s after generation starts.
+    48 rows x 48 tokens keep the one worker generating ~6 s here (24 x 24 took 1.7 s and was seen
+    too late in 1 of 2 runs)."""
     src = tmp_path / "in.jsonl"
     _input(src)
     run_id, port = "live", metrics_head.metrics_port
     cfg = job_config(tiny_model_dir, str(src), str(tmp_path / "out"), f"cluster.address={metrics_head.address}",
-                     f"run.run_id={run_id}", "sampling.max_tokens=24", "models.drafter=draft",
+                     f"run.run_id={run_id}", "sampling.max_tokens=48", "models.drafter=draft",
                      f"models.draft={noisy_draft_dir}", "cluster.num_workers=1")
     result: dict = {}
     job = threading.Thread(target=_run, args=(cfg, result), name="job", daemon=True)
     t0 = time.monotonic()
     job.start()
-    live = {}
+    live, t_live = {}, float("nan")
     while job.is_alive() and time.monotonic() - t0 < 120:
         series = scrape(port, run_id)
         if by(series, "ray_specpipe_generation_tokens_total") and job.is_alive():
-            live = series                               # the run's counters, read while it runs
+            live, t_live = series, time.monotonic()     # the run's counters, read while it runs
             break
         time.sleep(0.3)
     job.join(timeout=120)
     assert not job.is_alive() and "error" not in result, result.get("error")
-    print(f"job {time.monotonic() - t0:.1f} s")
+    print(f"job {time.monotonic() - t0:.1f} s, generating {result['summary'].get('generate_s')} s, "
+          f"live after {t_live - t0:.1f} s")
     assert live, "no metric of the run was scraped while it ran"
     gauges = {name for name, _ in live}
     assert {"ray_specpipe_num_requests_running", "ray_specpipe_num_requests_waiting",
