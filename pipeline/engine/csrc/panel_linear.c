@@ -18,6 +18,16 @@
  * memory-bound decoding step needs (oneDNN's packed M=1 path moved ~16 GB/s here, this ~25-60).
  * With many rows it is the classic register-blocked GEMM: tasks of (up to MC rows) x (one panel),
  * K in chunks of KC so a panel's chunk (32 KB) is reused from L1 by every tile of the task.
+ *
+ * Prefetch. A multi-row tile is too busy for the out-of-order window to keep enough weight lines in
+ * flight, and after a chunk's first tile the memory system idles while the others compute from L1.
+ * So a chunk's first tile prefetches AHEAD lines (8 KB) ahead of what it reads, and its second
+ * tile prefetches the whole next chunk (the next panel's first, across panels: a thread's panels
+ * are consecutive in memory). One line per k, 64 bytes, is exactly one k of a panel. Measured on
+ * SmolLM2's 211 weights (2 threads, AVX-512 box): 4 rows 19.0 -> 12.7 ms, 8 rows 27.7 -> 18.7, 12
+ * rows 30.5 -> 19.6, 20 rows 43.7 -> 31.5, 48 rows 77 -> 65; 1-3 rows unchanged (the one-row
+ * stream has nothing to overlap; prefetching there measured no gain). Outputs are bitwise the same
+ * (no arithmetic moves). A prefetch past the end of the weights is harmless: prefetches never fault.
  */
 #include <stdint.h>
 #include <string.h>
@@ -25,13 +35,15 @@
 #include "vmath.h"
 
 
-enum { NR = 16, MR = 6, KC = 512, MC = 96 };
+enum { NR = 16, MR = 6, KC = 512, MC = 96, AHEAD = 128 };
 
 /* rows x (16 outputs) += x[rows, 0:kc] panel[0:kc]; `first`: start from the bias (or zero) instead of y.
- * nvalid < 16 only in the last panel, where y has fewer columns than the panel. */
+ * nvalid < 16 only in the last panel, where y has fewer columns than the panel. With rows > 1 and
+ * `pf`, line k of pf is prefetched (into L2) at step k. */
 static inline __attribute__((always_inline)) void tile(const int rows, const float *x, int64_t ldx,
                                                        const float *panel, int64_t kc, float *y, int64_t ldy,
-                                                       int nvalid, const float *bias, int first) {
+                                                       int nvalid, const float *bias, int first,
+                                                       const float *pf) {
     v8 c[MR][2];
     float edge[NR];
     for (int m = 0; m < rows; m++) {
@@ -67,6 +79,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
         c[0][1] += d1;
     } else {
         for (int64_t k = 0; k < kc; k++) {
+            if (pf != NULL) __builtin_prefetch(pf + k * NR, 0, 2);
             v8 b0 = load8(panel + k * NR), b1 = load8(panel + k * NR + 8);
             for (int m = 0; m < rows; m++) {
                 v8 a = splat8(x[m * ldx + k]);
@@ -89,14 +102,14 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
 
 /* One specialised copy of `tile` per row count, so its loops over rows unroll into registers. */
 static void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t kc, float *y,
-                      int64_t ldy, int nvalid, const float *bias, int first) {
+                      int64_t ldy, int nvalid, const float *bias, int first, const float *pf) {
     switch (rows) {
-    case 1: tile(1, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
-    case 2: tile(2, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
-    case 3: tile(3, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
-    case 4: tile(4, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
-    case 5: tile(5, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
-    default: tile(MR, x, ldx, panel, kc, y, ldy, nvalid, bias, first); break;
+    case 1: tile(1, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
+    case 2: tile(2, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
+    case 3: tile(3, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
+    case 4: tile(4, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
+    case 5: tile(5, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
+    default: tile(MR, x, ldx, panel, kc, y, ldy, nvalid, bias, first, pf); break;
     }
 }
 
@@ -118,7 +131,9 @@ int panel_linear_f32(const float *x, int64_t M, int64_t K, const float *panels, 
             int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
             for (int64_t m = m0; m < m1; m += MR) {
                 int rows = (int)(m1 - m < MR ? m1 - m : MR);
-                tile_rows(rows, x + m * K + k0, K, panel + k0 * NR, kc, y + m * N + p * NR, N, nvalid, b, k0 == 0);
+                const float *pf = m == m0 ? panel + (k0 + AHEAD) * NR             /* ahead in the stream */
+                                : m == m0 + MR ? panel + (k0 + kc) * NR : NULL;   /* the next chunk */
+                tile_rows(rows, x + m * K + k0, K, panel + k0 * NR, kc, y + m * N + p * NR, N, nvalid, b, k0 == 0, pf);
             }
         }
     }
