@@ -20,6 +20,7 @@ import torch
 from bench import hf_baselines
 from pipeline.config import EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
+from pipeline.engine.prefix import PrefixIndex
 from pipeline.hardware import resolve_dtype
 from pipeline.models import ModelSpec, load_model
 from pipeline.runtime import build_engine
@@ -51,12 +52,15 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
                             adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile,
-                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused)
+                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused,
+                            prefix_reuse=args.prefix_reuse == "on")
     engine = build_engine(models, section).engine
     if args.calibrate or args.adaptive:
         engine.calibrate()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
+    if engine.prefixes is not None:       # the warm-up's prompts must not be reused by the timed run
+        engine.prefixes = PrefixIndex()
     t0 = time.perf_counter()
     done, rounds = _drain(engine, prompts, params, "p")
     wall = time.perf_counter() - t0
@@ -74,7 +78,9 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             "mean_tokens_per_round": new_tokens / len(rounds), "num_rounds": len(rounds),
             "draft_s": sum(s[3] for s in steps.values()), "verify_s": sum(s[4] for s in steps.values()),
             "steps": list(steps.values()), "outputs": outputs,
-            "verify_curve": engine.costs.verify_curve, "draft_curve": engine.costs.draft_curve}
+            "verify_curve": engine.costs.verify_curve, "draft_curve": engine.costs.draft_curve,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "prefix_reused_tokens": engine.prefixes.num_reused if engine.prefixes is not None else 0}
 
 
 def _drain(engine, prompts, params, prefix):
@@ -126,6 +132,7 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="engine.cpu_linear")
     ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="engine.cpu_fused")
+    ap.add_argument("--prefix-reuse", default="on", choices=["on", "off"], help="engine.prefix_reuse")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -76,7 +76,7 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
 
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
-                cpu_linear="auto"):
+                cpu_linear="auto", prefix_reuse=True):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: our panel kernel
@@ -85,7 +85,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
                            cpu_linear=cpu_linear)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
                        adaptive=adaptive, max_prefill_tokens=max_prefill_tokens, compile=compile,
-                       cpu_attention=cpu_attention, cpu_linear=cpu_linear)
+                       cpu_attention=cpu_attention, cpu_linear=cpu_linear, prefix_reuse=prefix_reuse)
     # The runner regroups its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,

@@ -34,6 +34,7 @@ from .logits import row_probs
 from .prefill import forward_history
 from .request import RequestError, SamplingParams, Sequence
 from .runner import COMPILE_MODES, ModelRunner
+from .prefix import PrefixIndex
 from .scheduler import Scheduler
 from .verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
 
@@ -56,6 +57,8 @@ class EngineConfig:
                                      # auto (where it builds) | on (raise where not) | off (oneDNN's)
     cpu_fused: str = "auto"          # on CPU: RMSNorm and silu(gate) * up as one pass each (cpu_fused.py):
                                      # auto (where it builds) | on (raise where not) | off (the model's modules)
+    prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds
+                                     # (a running or just-finished sequence's prompt) instead of computing it
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"engine.cpu_linear: expected one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
         if self.cpu_fused not in CPU_FUSED_MODES:
             raise ValueError(f"engine.cpu_fused: expected one of {CPU_FUSED_MODES}, got {self.cpu_fused!r}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise ValueError(f"engine.prefix_reuse: expected true or false, got {self.prefix_reuse!r}")
         if self.cpu_linear == "on" and not self.packed_linear:
             raise ValueError("engine.cpu_linear=on needs engine.packed_linear=true (false keeps torch's linears)")
 
@@ -142,6 +147,7 @@ class SpecEngine:
                                           draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
+        self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -220,8 +226,12 @@ class SpecEngine:
     def _admit(self) -> None:
         """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
         which is the first round's input) for the target and (unless lazy) the drafter."""
-        self.scheduler.admit()
-        chunks = self.scheduler.prefill_chunks(lambda s: len(s.prompt_ids) - 1 - s.num_computed)
+        admitted = self.scheduler.admit()
+        if self.prefixes is not None:
+            self._reuse_prefixes(admitted)
+        chunks = self.scheduler.prefill_chunks(
+            lambda s: 0 if self.prefixes is not None and not self.prefixes.is_planned(s)
+            else len(s.prompt_ids) - 1 - s.num_computed)
         forward_history(self.target, chunks, lambda seq: seq.num_computed)
         if not self._lazy_draft:
             self.drafter.prefill(chunks)
@@ -230,6 +240,21 @@ class SpecEngine:
         for seq in list(self.scheduler.prefilling):
             if seq.num_computed == len(seq.prompt_ids) - 1:
                 self.scheduler.promote(seq)
+
+    def _reuse_prefixes(self, admitted: list[Sequence]) -> None:
+        """New sequences copy the target KV of the longest prompt prefix a slot holds (prefix.py), in
+        admission order; one whose prefix an earlier sequence is still computing waits a step."""
+        for seq in admitted:
+            self.prefixes.admit(seq)
+        for seq in list(self.scheduler.prefilling):
+            if self.prefixes.is_planned(seq):
+                continue
+            plan = self.prefixes.plan(seq)
+            if plan is not None:
+                donor, n = plan
+                if n and donor != seq.slot:
+                    self.target.copy_prefix(donor, seq.slot, n)
+                seq.num_computed = n
 
     def _draft(self, batch: list[Sequence]) -> tuple[DraftBatch, float, float]:
         """Draft lengths, the lazy draft catch-up, the proposal. Returns the drafts, the phase's
@@ -315,6 +340,8 @@ class SpecEngine:
         for seq in finished:
             self.scheduler.release(seq)
             self.drafter.release(seq)
+            if self.prefixes is not None:
+                self.prefixes.release(seq)
         return [self._completion(seq) for seq in finished]
 
     def _completion(self, seq: Sequence) -> Completion:

@@ -187,6 +187,11 @@ class SlotKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """KV positions [0, n) of slot `src` into slot `dst`, every layer (prefix reuse, prefix.py)."""
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, :n].copy_(buf[src, :, :n])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write packed key/value [1, kv_heads, num_tokens, head_dim] at each token's slot and position;
         return the keys and values each row attends to: [batch, kv_heads, kv_len, head_dim]."""

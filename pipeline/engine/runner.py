@@ -115,6 +115,11 @@ class ModelRunner:
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.logits[0].float()           # [kept, vocab]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot `dst` gets slot `src`'s KV for positions [0, n): a shared prompt prefix, copied instead of
+        computed (prefix.py). Counts no forwarded token."""
+        self.cache.copy_positions(src, dst, n)
+
     @property
     def pads_rows(self) -> bool:
         """Whether a forward's attention may pad every row to the longest (torch's SDPA path): then

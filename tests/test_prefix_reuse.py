@@ -1,0 +1,156 @@
+"""Prompt-prefix reuse (pipeline/engine/prefix.py): a new prompt copies the target KV of the longest
+prefix a slot holds instead of computing it. The index on its own (torch-free), then the engine on
+prompts built to share prefixes (a common "system prompt", repeated prompts, a prompt that extends
+another), checked against Hugging Face greedy decoding and against the engine with reuse off."""
+import random
+
+import pytest
+
+from conftest import greedy_reference, make_engine, run_requests, top2_gap
+from pipeline.engine import SamplingParams
+from pipeline.engine.prefix import PrefixIndex, _bytes, common_prefix
+
+MAX_NEW, NEAR_TIE = 16, 1e-3
+
+
+def test_common_prefix_matches_a_plain_loop():
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(0, 10))]
+        limit = rng.randrange(0, 40)
+        want = 0
+        while want < min(len(a), len(b), limit) and a[want] == b[want]:
+            want += 1
+        assert common_prefix(_bytes(a), _bytes(b), limit) == want
+
+
+class _Seq:
+    """What the index reads of a Sequence (hashable by identity, like it)."""
+
+    def __init__(self, slot, prompt, computed=0):
+        self.slot, self.prompt_ids, self.num_computed = slot, prompt, computed
+
+
+_seq = _Seq
+
+
+def _admit(index, seq):
+    index.admit(seq)
+    return index.plan(seq)
+
+
+def test_index_picks_the_longest_valid_prefix_and_forgets_a_retaken_slot():
+    index = PrefixIndex(min_tokens=3)
+    base = list(range(100, 120))
+    a = _seq(0, base + [1, 2, 3])
+    assert _admit(index, a) == (None, 0)                     # nothing held yet
+    b = _seq(1, base + [7])
+    assert _admit(index, b) is None                          # a is computing 20 shared positions: wait
+    a.num_computed = 10
+    assert index.plan(b) is None                             # still 10 short
+    a.num_computed = len(a.prompt_ids) - 1
+    assert index.plan(b) == (0, 20) and index.num_waits == 2
+    b.num_computed = len(b.prompt_ids) - 1
+    c = _seq(2, base + [1, 2, 3, 4])
+    assert _admit(index, c) == (0, 22)                       # the longer match: a's 22 computed positions
+    c.num_computed = len(c.prompt_ids) - 1
+    same = _seq(3, list(a.prompt_ids))
+    assert _admit(index, same) == (0, len(a.prompt_ids) - 1)   # the last prompt token is the round's input
+    index.release(a)                                         # a finished: slot 0 still holds its prompt
+    a2 = _seq(0, base + [1, 2, 9])                           # the freed slot itself is the donor: no copy
+    assert _admit(index, a2) == (0, 22)
+    a2.num_computed = 20                                     # (a2 prefilled over slot 0 from here on)
+    short = _seq(4, base[:2] + [5, 5])
+    assert _admit(index, short) == (None, 0)                 # 2 shared tokens < min_tokens
+    index.release(a2)
+    d = _seq(0, [9] * 30)                                    # slot 0 retaken by an unrelated prompt
+    assert _admit(index, d) == (None, 0)
+    d.num_computed = 29
+    index.release(a2)                                        # a stale release does not touch d's entry
+    e = _seq(5, base + [1, 2, 3])
+    assert _admit(index, e) == (2, 22)                       # slot 0's old prefix is gone; c still has it
+    assert index.num_reused == 20 + 22 + 22 + 22 + 22
+
+
+def test_waits_only_on_earlier_sequences():
+    """Two sequences admitted together share a prefix: the later one waits for the earlier, never
+    the other way round (no cycle), and a finished donor's prefix is taken as it was."""
+    index = PrefixIndex(min_tokens=3)
+    p = list(range(50))
+    first, second = _seq(0, p + [1]), _seq(1, p + [2])
+    index.admit(first)
+    index.admit(second)
+    assert index.plan(first) == (None, 0)                    # second is later: first does not wait
+    assert index.plan(second) is None
+    first.num_computed = 25
+    index.release(first)                                     # finished early (say, cancelled) at 25
+    assert index.plan(second) == (0, 25)
+
+
+def shared_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    """24 prompts in six families of four: each family has its own 30-token prefix (so a slot's old
+    content is another family's, and a wrong copy shows), then own tails, an exact repeat, an
+    extension of the repeat, and a sibling with another tail."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(6):
+        system = [rng.randrange(vocab) for _ in range(30)]
+        first = system + [rng.randrange(vocab) for _ in range(rng.choice([1, 5, 12]))]
+        prompts += [first, list(first), first + [rng.randrange(vocab) for _ in range(7)],
+                    system + [rng.randrange(vocab) for _ in range(rng.choice([3, 9]))]]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(target_model):
+    return shared_prompts(target_model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def references(target_model, prompts):
+    return [greedy_reference(target_model, p, MAX_NEW) for p in prompts]
+
+
+def _run(target_model, draft_model, prompts, kind, batch_size, attention, reuse, params):
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=batch_size, max_model_len=128, g=3,
+                         compile="on" if attention == "flex" else "off",
+                         cpu_attention="on" if attention == "cpu" else "off", prefix_reuse=reuse)
+    done, rounds = run_requests(engine, prompts, params, arrive_every=2, seeds=list(range(len(prompts))))
+    return engine, done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+@pytest.mark.parametrize("attention", ["cpu", "sdpa"])
+def test_reuse_keeps_greedy_output_and_skips_the_shared_positions(target_model, draft_model, prompts, references,
+                                                                   kind, batch_size, attention):
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    on, done_on = _run(target_model, draft_model, prompts, kind, batch_size, attention, True, params)
+    off, done_off = _run(target_model, draft_model, prompts, kind, batch_size, attention, False, params)
+    reused = on.prefixes.num_reused
+    assert off.prefixes is None and reused > 0
+    if batch_size == 4:      # families arrive together: the repeats and extensions find their donor
+        assert reused >= 12 * 30, reused
+    # every reused position is one the target did not forward, and nothing else changed
+    assert off.target.num_forward_tokens - on.target.num_forward_tokens == reused
+    for i, (prompt, ref) in enumerate(zip(prompts, references)):
+        out = done_on[str(i)].output_ids
+        assert out == done_off[str(i)].output_ids, f"prompt {i}: reuse changed the output"
+        if out != ref:
+            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+            gap = top2_gap(target_model, prompt + ref[:j])
+            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["none", "ngram"])
+def test_reuse_keeps_sampled_output(target_model, draft_model, prompts, kind):
+    """Copied KV is bitwise the computed KV on our CPU kernels (per-row linears and attention), so
+    the same seeds sample the same tokens with reuse on and off."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=1.0)
+    on, done_on = _run(target_model, draft_model, prompts, kind, 4, "cpu", True, params)
+    _, done_off = _run(target_model, draft_model, prompts, kind, 4, "cpu", False, params)
+    assert on.prefixes.num_reused > 0
+    assert {k: c.output_ids for k, c in done_on.items()} == {k: c.output_ids for k, c in done_off.items()}
