@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="scheduler token budget per step (vLLM's default when unset); the start-up "
                         "profiling run is one forward of this many tokens")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="vLLM's automatic prefix caching (off by default here, as in every earlier table)")
     p.add_argument("--out", required=True, help="result JSON path")
     return p.parse_args(argv)
 
@@ -63,7 +65,7 @@ def set_cpu_env(args: argparse.Namespace) -> None:
 def build_llm(args: argparse.Namespace):
     from vllm import LLM
 
-    kwargs = dict(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=False, seed=0,
+    kwargs = dict(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=args.prefix_caching, seed=0,
                   max_model_len=args.max_model_len, disable_log_stats=False)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
