@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .io.reader import filesystem
-from .io.storage import arrow_input
+from .io.storage import read_parquet
 from .io.writer import RunOutput
 
 TRUNCATED = ("length", "context")
@@ -72,8 +72,7 @@ def count(flags: dict[str, dict]) -> dict:
 
 def _read(url: str, storage, columns=None) -> pa.Table:
     fs, path = filesystem(url, storage)
-    with arrow_input(fs, path) as (f, threaded):
-        return pq.ParquetFile(f, pre_buffer=threaded).read(columns=columns, use_threads=threaded)
+    return read_parquet(fs, path, columns)
 
 
 def curate(run: RunOutput, folder, input_url: str, storage) -> dict:

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import report_stats as st
 from .config import StorageConfig
 from .io.reader import filesystem
-from .io.storage import arrow_input
+from .io.storage import read_parquet
 from .io.schema import TABLES
 from .io.writer import KINDS, RunOutput
 
@@ -39,10 +38,7 @@ def load(run_url: str, kind: str, storage: StorageConfig = StorageConfig(), colu
     tables = []
     for url in _output(run_url, storage).committed_files(kind):
         fs, path = filesystem(url, storage)
-        with arrow_input(fs, path) as (f, threaded):
-            pf = pq.ParquetFile(f, pre_buffer=threaded)
-            cols = columns or ([c for c in pf.schema_arrow.names if c not in exclude] if exclude else None)
-            tables.append(pf.read(columns=cols, use_threads=threaded))
+        tables.append(read_parquet(fs, path, columns or None, exclude))
     return pa.concat_tables(tables) if tables else TABLES[kind].empty_table()
 
 

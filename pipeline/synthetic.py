@@ -66,7 +66,7 @@ import pyarrow.parquet as pq
 from .config import ConfigError, InputConfig, JobConfig, RunConfig, SamplingConfig, StorageConfig, load_config
 from .io.lease import LeaseHeld, acquire, describe_holder, owner_info
 from .io.reader import filesystem
-from .io.storage import arrow_input, arrow_owned, create_exclusive, put_atomic, retrying
+from .io.storage import arrow_input, arrow_owned, create_exclusive, put_atomic, read_parquet, retrying
 from .io.writer import OutputError, RunOutput
 from .schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
 
@@ -199,11 +199,11 @@ def load_seeds(section: SyntheticSection, storage: StorageConfig) -> list[dict]:
     """The seed items as dicts, in file order; SeedError names the file and the problem."""
     fs, path = filesystem(section.seeds, storage)
     try:
-        with arrow_input(fs, path) as (f, threaded):
-            if path.endswith((".jsonl", ".json")):
+        if path.endswith((".jsonl", ".json")):
+            with arrow_input(fs, path) as (f, threaded):
                 table = pa_json.read_json(f if threaded else pa.BufferReader(arrow_owned(f.read())))
-            else:
-                table = pq.ParquetFile(f, pre_buffer=threaded).read(use_threads=threaded)
+        else:
+            table = read_parquet(fs, path)
     except Exception as e:  # noqa: BLE001 -- any reader failure is reported with its path
         raise SeedError(f"synthetic.seeds {section.seeds!r}: unreadable: {type(e).__name__}: {e}") from None
     if section.id_column not in table.column_names:

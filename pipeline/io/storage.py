@@ -8,7 +8,8 @@ transient failures, atomic whole-object writes, and exclusive create.
   Object stores give that with one PUT; on a local disk it is temp file + fsync + rename + directory
   fsync (a crash or a full disk leaves the old file or nothing, never a torn one).
 - `arrow_input(fs, path)`: a file to hand to pyarrow, and whether pyarrow may use its threads on it
-  (see its docstring: a Python file object read from Arrow's pools can abort the process at exit).
+  (see its docstring: a Python file object read from Arrow's pools can abort the process at exit);
+  `read_parquet(fs, path, columns)` reads a whole Parquet file through it.
 - `create_exclusive(fs, path, data)`: True if this call created the object, False if it existed.
   Local disks: a hard link of a complete temp file (link fails if the name exists). S3: a PUT with
   `If-None-Match: *` (AWS S3, MinIO and moto honour it), then a read-back of our nonce; elsewhere
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 T = TypeVar("T")
@@ -101,6 +103,16 @@ def arrow_input(fs, path: str) -> Iterator[tuple[object, bool]]:
     else:
         with fs.open(path, "rb") as f:
             yield f, False
+
+
+def read_parquet(fs, path: str, columns=None, exclude=()) -> pa.Table:
+    """A whole Parquet file as a table, through arrow_input (pool threads only on native files):
+    `columns` to read (None: all), or every column but those in `exclude`."""
+    with arrow_input(fs, path) as (f, threaded):
+        pf = pq.ParquetFile(f, pre_buffer=threaded)
+        if columns is None and exclude:
+            columns = [c for c in pf.schema_arrow.names if c not in exclude]
+        return pf.read(columns=columns, use_threads=threaded)
 
 
 def arrow_owned(data: bytes) -> pa.Buffer:
