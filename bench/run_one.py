@@ -52,7 +52,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
     section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
                             adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile,
-                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused,
+                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused, cpu_decoder=args.cpu_decoder,
                             prefix_reuse=args.prefix_reuse == "on")
     engine = build_engine(models, section).engine
     if args.calibrate or args.adaptive:
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="engine.cpu_linear")
     ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="engine.cpu_fused")
+    ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help="engine.cpu_decoder")
     ap.add_argument("--prefix-reuse", default="on", choices=["on", "off"], help="engine.prefix_reuse")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)

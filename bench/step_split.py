@@ -2,13 +2,16 @@
 (our kernel), and the rest (every other op of the forward, and Python), on the real SmolLM2.
 
     .venv/bin/python -m bench.step_split --dtypes float32,bfloat16 --shapes 32x1,64x1,32x5,8x256@0 --fused auto,off
+    .venv/bin/python -m bench.step_split --dtypes float32 --shapes 1x1,4x3,64x1 --fused auto --decoder auto,off
 
 Each shape is rows x tokens per row at ~330 context (300-360), or from a given position (8x256@0: a
 2048-token prefill chunk of 8 prompts). The kernels' calls are timed by
 wrapping them (wall clock around each call; the kernels are synchronous on CPU); "rest" is the
 step's wall time less those. Median over --repeats steps after 2 warm-ups; one process, one model
-per dtype and --fused setting (engine.cpu_fused: auto = RMSNorm and the MLP's SiLU product fused,
-off = the model's modules), their steps interleaved so the box's drift hits every setting alike.
+per dtype and setting (--fused: engine.cpu_fused, auto = RMSNorm and the MLP's SiLU product fused,
+off = the model's modules; --decoder: engine.cpu_decoder, auto = the forward as one loop over our
+kernels, off = the model's forward), their steps interleaved so the box's drift hits every setting
+alike.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--shapes", default="32x1,64x1,32x5", help="rows x tokens per row, comma-separated")
     ap.add_argument("--fused", default="auto,off", help="engine.cpu_fused settings to compare")
+    ap.add_argument("--decoder", default="off", help="engine.cpu_decoder settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
@@ -58,14 +62,16 @@ def main() -> None:
     _timed(cpu_attention.CpuAttention, "__call__", lambda a: "attention")
     _timed(cpu_linear.PanelKernel, "unchecked", lambda a: "lm_head" if a[3] > 10_000 else "linears")
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    print("| dtype | cpu_fused | rows x tokens | step ms | linears | lm_head | attention | rest |")
+    print("| dtype | cpu_fused / cpu_decoder | rows x tokens | step ms | linears | lm_head | attention | rest |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         runners = {}
         for fused in args.fused.split(","):
-            model, _ = load_model(ModelSpec(args.model, dtype, "cpu"))
-            runners[fused] = ModelRunner(model, max(r for r, _, _ in shapes), 1024, cpu_attention="on",
-                                         cpu_linear="on", cpu_fused=fused)
+            for decoder in args.decoder.split(","):
+                model, _ = load_model(ModelSpec(args.model, dtype, "cpu"))
+                runners[f"{fused} / {decoder}"] = ModelRunner(model, max(r for r, _, _ in shapes), 1024,
+                                                              cpu_attention="on", cpu_linear="on",
+                                                              cpu_fused=fused, cpu_decoder=decoder)
         for rows, q, start in shapes:
             contexts = [300 + (7 * i) % 60 if start is None else start for i in range(rows)]
             tokens = [[(7 * b + j) % 1000 + 10 for j in range(q)] for b in range(rows)]

@@ -132,13 +132,17 @@ class EngineSection:
     cpu_fused: str = "auto"         # auto | on | off: RMSNorm and the MLP's silu(gate) * up on CPU as one
                                     # pass each, gate and up as one linear (pipeline/engine/cpu_fused.py;
                                     # off, or auto where it cannot build: the model's own modules)
+    cpu_decoder: str = "auto"       # auto | on | off: on CPU with the three kernels above in use, the
+                                    # model's forward as one loop over them, RoPE and the KV write in one
+                                    # pass, q/k/v as one linear (pipeline/engine/cpu_decoder.py; Llama,
+                                    # Qwen2/3, Mistral families; off, or auto elsewhere: the model's forward)
     prefix_reuse: bool = True       # a new prompt copies the target's KV for the longest prefix it shares
                                     # with a running or just-finished prompt instead of computing it
                                     # (pipeline/engine/prefix.py): templates, system prompts, repeated samples
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused"):
+        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder"):
             value = getattr(self, name)
             setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
         try:
@@ -357,6 +361,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
     tree["engine"].pop("cpu_attention")
     tree["engine"].pop("cpu_linear")                  # the linear kernel: likewise (rounding-level differences)
     tree["engine"].pop("cpu_fused")                   # the fused norm / MLP kernels: likewise
+    tree["engine"].pop("cpu_decoder")                 # the kernel loop: the same numbers as the modules
     tree["engine"].pop("prefix_reuse")                # copied prompt KV: the same values as computed
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")

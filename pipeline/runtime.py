@@ -41,7 +41,8 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
 
     def runner(model) -> ModelRunner:
         return ModelRunner(model, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
-                           engine_cfg.cpu_attention, engine_cfg.cpu_linear, engine_cfg.cpu_fused)
+                           engine_cfg.cpu_attention, engine_cfg.cpu_linear, engine_cfg.cpu_fused,
+                           engine_cfg.cpu_decoder)
 
     drafter, draft_id = None, None
     if models.drafter in ("draft", "hybrid"):

@@ -59,7 +59,8 @@ def noisy_copy(model, noise: float, seed: int = 1):
 
 
 def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3,
-                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto"):
+                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
+                 cpu_decoder: str = "auto"):
     if kind == "none":
         return None
     if kind == "ngram":
@@ -68,7 +69,8 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return SuffixDrafter(SuffixParams(min_match=1))
     method = "probabilistic" if kind == "draft-prob" else "greedy"
     model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
-                                                  cpu_attention=cpu_attention, cpu_linear=cpu_linear), method)
+                                                  cpu_attention=cpu_attention, cpu_linear=cpu_linear,
+                                                  cpu_decoder=cpu_decoder), method)
     if kind == "hybrid-suffix":
         return HybridDrafter(SuffixDrafter(SuffixParams(min_match=1)), model_drafter)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
@@ -76,20 +78,23 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
 
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
-                cpu_linear="auto", prefix_reuse=True):
+                cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto"):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: our panel kernel
-    (cpu_linear="auto", cpu_linear.py), else oneDNN-packed weights."""
+    (cpu_linear="auto", cpu_linear.py), else oneDNN-packed weights. The forward: one loop over those
+    kernels where they are all in use (cpu_decoder="auto", cpu_decoder.py), else the model's modules."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
-                           cpu_linear=cpu_linear)
+                           cpu_linear=cpu_linear, cpu_decoder=cpu_decoder)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
                        adaptive=adaptive, max_prefill_tokens=max_prefill_tokens, compile=compile,
-                       cpu_attention=cpu_attention, cpu_linear=cpu_linear, prefix_reuse=prefix_reuse)
+                       cpu_attention=cpu_attention, cpu_linear=cpu_linear, prefix_reuse=prefix_reuse,
+                       cpu_decoder=cpu_decoder)
     # The runner regroups its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
-                                  cpu_attention=cpu_attention, cpu_linear=cpu_linear), drafter,
+                                  cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder),
+                      drafter,
                       cfg, list(eos),
                       decode)
 

@@ -1,6 +1,7 @@
 """Greedy identity: the engine's output equals target-only greedy decoding, for every drafter, at
-batch sizes 1, 4 and 16, with requests arriving while others run, on each attention path: our CPU
-kernel (cpu_attention.py), torch's padded SDPA, and the compiled FlexAttention. Where tokens differ, the first
+batch sizes 1, 4 and 16, with requests arriving while others run, on each forward path: our CPU
+kernels in one loop (cpu_decoder.py), the same kernels under the model's own modules, torch's padded
+SDPA, and the compiled FlexAttention. Where tokens differ, the first
 difference must sit on a numerical near-tie of the target's top-2 logits, or the test fails."""
 import pytest
 
@@ -23,11 +24,12 @@ def references(target_model, prompts):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", DRAFTERS)
-@pytest.mark.parametrize("attention", ["cpu", "sdpa", "flex"])
+@pytest.mark.parametrize("attention", ["cpu", "modules", "sdpa", "flex"])
 def test_greedy_identity(target_model, draft_model, prompts, references, kind, batch_size, attention):
     engine = make_engine(target_model, kind, draft_model, max_num_seqs=batch_size, max_model_len=128, g=4,
                          compile="on" if attention == "flex" else "off",
-                         cpu_attention="on" if attention == "cpu" else "off")
+                         cpu_attention="on" if attention in ("cpu", "modules") else "off",
+                         cpu_decoder="on" if attention == "cpu" else "off")
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     done, rounds = run_requests(engine, prompts, params, arrive_every=3)
     assert sorted(done, key=int) == [str(i) for i in range(NUM_PROMPTS)]

@@ -16,11 +16,12 @@ def reference_keys(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["none", "draft-greedy", "draft-prob", "ngram", "hybrid"])
-@pytest.mark.parametrize("attention", ["cpu", "sdpa", "flex"])
+@pytest.mark.parametrize("attention", ["cpu", "modules", "sdpa", "flex"])
 def test_lengths_and_contents_after_every_round(target_model, draft_model, kind, attention):
     engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, max_model_len=128, g=3,
                          max_prefill_tokens=16, compile="on" if attention == "flex" else "off",
-                         cpu_attention="on" if attention == "cpu" else "off")
+                         cpu_attention="on" if attention in ("cpu", "modules") else "off",
+                         cpu_decoder="on" if attention == "cpu" else "off")
     prompts = mixed_prompts(10, target_model.config.vocab_size, seed=3)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.8), seed=i)

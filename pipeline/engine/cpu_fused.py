@@ -59,18 +59,30 @@ def _classes(names: tuple[str, ...]) -> tuple[type, ...]:
     return tuple(found)
 
 
+FLAGS = ("-ffp-contract=off",)      # no fused multiply-adds: RoPE rounds where torch's ops round (fused_ops.c)
+
+
 class FusedOps:
-    """The loaded kernels: `rms_norm(x, weight, eps)` and `silu_mul(gate_up)`, fp32 or bf16."""
+    """The loaded kernels: `rms_norm`, `add_rms_norm`, `rope_store` (fp32 or bf16) and `silu_mul` (fp32)."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._norm = {}
+        self._norm, self._add_norm, self._rope = {}, {}, {}
         for dtype, suffix in DTYPES.items():
             norm = getattr(self._lib, f"rms_norm_{suffix}")
             norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
             norm.restype = ctypes.c_int
             self._norm[dtype] = norm
+            add_norm = getattr(self._lib, f"add_rms_norm_{suffix}")
+            add_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+            add_norm.restype = ctypes.c_int
+            self._add_norm[dtype] = add_norm
+            rope = getattr(self._lib, f"rope_store_{suffix}")
+            rope.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                             ptr, ptr, ptr, ctypes.c_int]
+            rope.restype = ctypes.c_int
+            self._rope[dtype] = rope
         self._silu = self._lib.silu_mul_f32
         self._silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._silu.restype = ctypes.c_int
@@ -93,6 +105,58 @@ class FusedOps:
             self._status(self._norm[x.dtype](x.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rows,
                                              x.shape[-1], float(eps), torch.get_num_threads()), "rms_norm")
         return y
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += delta (in place), then rms_norm(residual): a decoder layer's residual add and the
+        next norm in one pass. residual and delta [rows, dim] contiguous, weight [dim], one dtype."""
+        if residual.dtype not in DTYPES or delta.dtype != residual.dtype or weight.dtype != residual.dtype \
+                or residual.shape != delta.shape or residual.dim() != 2 or residual.shape[1] != weight.shape[0] \
+                or not residual.is_contiguous():
+            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype}, delta "
+                             f"{tuple(delta.shape)} {delta.dtype}, weight {tuple(weight.shape)} {weight.dtype}: "
+                             "expected contiguous [rows, dim] twice and [dim], one dtype (fp32 or bf16)")
+        delta = delta.contiguous()
+        y = torch.empty_like(residual)
+        if residual.shape[0]:
+            self._status(self._add_norm[residual.dtype](
+                residual.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), residual.shape[0],
+                residual.shape[1], float(eps), torch.get_num_threads()), "add_rms_norm")
+        return y
+
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   row_table: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> torch.Tensor:
+        """RoPE on the packed new tokens' queries and keys, and the keys and values written to the slot
+        store at each token's slot and position (fused_ops.c says how it rounds). q [tokens, heads *
+        dim], k and v [tokens, kv_heads * dim] (rows may be strided: column slices of one qkv
+        projection), cos / sin [tokens, dim], all one dtype; row_table [4, rows] int64 (slot, start,
+        num_new, first packed token); the stores [slots, kv_heads, cap, dim]. Returns the rotated
+        queries [tokens, heads, dim] in fp32 (the attention kernel's input)."""
+        slots, kv_heads, cap, dim = k_store.shape
+        tokens = q.shape[0]
+        dtype = q.dtype
+        if dtype not in DTYPES or any(t.dtype != dtype for t in (k, v, cos, sin, k_store, v_store)) \
+                or q.shape[1] % dim or k.shape != (tokens, kv_heads * dim) or v.shape != k.shape \
+                or cos.shape != (tokens, dim) or sin.shape != cos.shape or v_store.shape != k_store.shape \
+                or any(t.stride(1) != 1 for t in (q, k, v)) or not all(t.is_contiguous() for t in (
+                    cos, sin, row_table, k_store, v_store)) or row_table.dtype != torch.long:
+            raise ValueError(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
+                             f"{tuple(cos.shape)} ({dtype}) do not fit stores {tuple(k_store.shape)} "
+                             f"{k_store.dtype}")
+        heads = q.shape[1] // dim
+        out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+        if tokens:
+            status = self._rope[dtype](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                       v.stride(0), cos.data_ptr(), sin.data_ptr(), row_table.data_ptr(),
+                                       row_table.shape[1], tokens, heads, kv_heads, dim, slots, cap,
+                                       out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(),
+                                       torch.get_num_threads())
+            if status == -3:
+                raise ValueError(f"rope_store: a row's slot or positions fall outside the store {tuple(k_store.shape)}")
+            if status != 0:
+                raise ValueError(f"rope_store: head size {dim} in {dtype}: fp32 takes even sizes, bf16 "
+                                 "multiples of 16 up to 512")
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2 * inter] fp32 (gate, then up): silu(gate) * up, [..., inter], in one pass."""
@@ -201,10 +265,42 @@ def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) 
             for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 lin.weight.data = torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5
             pairs.append((mlp(x), GateUpMLP(mlp, ops)(x)))
+        delta = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+        residual = x.clone()
+        normed = ops.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon)
+        pairs += [(x + delta, residual), (norm(x + delta), normed)]
+        pairs += _rope_pairs(ops, rows, dtype, gen)
         for want, got in pairs:
             err = (got.double() - want.double()).abs().max() / want.double().abs().max()
             worst = max(worst, err.item() / TOLERANCE[dtype])
     return worst
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on packed heads: x [tokens, heads, dim], cos / sin
+    [tokens, dim], in x's dtype."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def _rope_pairs(ops: FusedOps, tokens: int, dtype: torch.dtype, gen: torch.Generator, heads: int = 6,
+                kv_heads: int = 2, dim: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """rope_store on `tokens` tokens in two rows (the second in slot 2 from position 5), q / k / v column
+    slices of one projection: (reference, kernel) for the queries, the keys and values stored."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    angle = torch.rand(tokens, dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angle.cos()] * 2, 1).to(dtype), torch.cat([angle.sin()] * 2, 1).to(dtype)
+    first = tokens // 2
+    table = torch.tensor([[0, 2], [0, 5], [first, tokens - first], [0, first]], dtype=torch.long)
+    k_store = torch.zeros(3, kv_heads, tokens + 5, dim, dtype=dtype)
+    v_store = torch.zeros_like(k_store)
+    q_out = ops.rope_store(q, k, v, cos, sin, table, k_store, v_store)
+    stored_k = torch.cat([k_store[0, :, :first], k_store[2, :, 5:5 + tokens - first]], 1).transpose(0, 1)
+    stored_v = torch.cat([v_store[0, :, :first], v_store[2, :, 5:5 + tokens - first]], 1).transpose(0, 1)
+    return [(rope_reference(q.reshape(tokens, heads, dim), cos, sin), q_out),
+            (rope_reference(k.reshape(tokens, kv_heads, dim), cos, sin), stored_k),
+            (v.reshape(tokens, kv_heads, dim), stored_v)]
 
 
 def _self_check(ops: FusedOps) -> None:
@@ -215,7 +311,7 @@ def _self_check(ops: FusedOps) -> None:
 
 @lru_cache(maxsize=None)
 def _load() -> tuple[FusedOps | None, str | None]:
-    return load_checked(SOURCE, FusedOps, _self_check, "the models' own modules")
+    return load_checked(SOURCE, FusedOps, _self_check, "the models' own modules", FLAGS)
 
 
 def kernel() -> FusedOps:

@@ -61,12 +61,13 @@ def _cache_dir() -> Path:
         return Path(tempfile.mkdtemp(prefix="specpipe-kernels-"))
 
 
-def build(source: Path) -> Path:
-    """The shared library for this C source, compiler and CPU: built once, then reused."""
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library for this C source, compiler and CPU: built once, then reused. extra_flags:
+    a kernel's own (e.g. -ffp-contract=off where its numbers must round where torch's do)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(), *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]    # what the source may include
     key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, _cpu_flags(),
@@ -89,11 +90,11 @@ def build(source: Path) -> Path:
 
 
 def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], None],
-                 instead: str) -> tuple[K | None, str | None]:
+                 instead: str, extra_flags: tuple[str, ...] = ()) -> tuple[K | None, str | None]:
     """Build (or find) the library for `source`, wrap it and check it against its reference:
     (kernel, None), or (None, why) on any failure, logged with what runs `instead`."""
     try:
-        kernel = wrap(build(source))
+        kernel = wrap(build(source, extra_flags))
         check(kernel)
         return kernel, None
     except Exception as e:                               # noqa: BLE001 - any failure: the caller falls back

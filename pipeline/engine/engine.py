@@ -27,6 +27,7 @@ import torch
 
 from .adaptive import AdaptiveDraftLength, CostModel
 from .cpu_attention import MODES as CPU_ATTENTION_MODES
+from .cpu_decoder import MODES as CPU_DECODER_MODES
 from .cpu_fused import MODES as CPU_FUSED_MODES
 from .cpu_linear import MODES as CPU_LINEAR_MODES
 from .drafters import DraftBatch, Drafter, NoDrafter
@@ -57,6 +58,8 @@ class EngineConfig:
                                      # auto (where it builds) | on (raise where not) | off (oneDNN's)
     cpu_fused: str = "auto"          # on CPU: RMSNorm and silu(gate) * up as one pass each (cpu_fused.py):
                                      # auto (where it builds) | on (raise where not) | off (the model's modules)
+    cpu_decoder: str = "auto"        # on CPU: the forward as one loop over the kernels above (cpu_decoder.py):
+                                     # auto (where they are all in use) | on (raise where not) | off
     prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds
                                      # (a running or just-finished sequence's prompt) instead of computing it
 
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"engine.cpu_linear: expected one of {CPU_LINEAR_MODES}, got {self.cpu_linear!r}")
         if self.cpu_fused not in CPU_FUSED_MODES:
             raise ValueError(f"engine.cpu_fused: expected one of {CPU_FUSED_MODES}, got {self.cpu_fused!r}")
+        if self.cpu_decoder not in CPU_DECODER_MODES:
+            raise ValueError(f"engine.cpu_decoder: expected one of {CPU_DECODER_MODES}, got {self.cpu_decoder!r}")
         if not isinstance(self.prefix_reuse, bool):
             raise ValueError(f"engine.prefix_reuse: expected true or false, got {self.prefix_reuse!r}")
         if self.cpu_linear == "on" and not self.packed_linear:

@@ -14,6 +14,7 @@ import inspect
 import torch
 
 from .cpu_attention import policy as cpu_attention_policy
+from .cpu_decoder import policy as cpu_decoder_policy
 from .cpu_fused import fuse
 from .cpu_fused import policy as cpu_fused_policy
 from .cpu_linear import can_pack, pack_linears, panel_linears
@@ -53,7 +54,7 @@ def _text_config(config):
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
                  compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
-                 cpu_fused: str = "auto"):
+                 cpu_fused: str = "auto", cpu_decoder: str = "auto"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -88,6 +89,11 @@ class ModelRunner:
         # same model object) fall through to SDPA, so the model stays usable elsewhere.
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
+        # On CPU with all of the above in place: the forward as one loop over those kernels, RoPE and the
+        # KV write in one pass, q/k/v as one linear (cpu_decoder.py); the same numbers as the model's
+        # forward, without its glue. Merges q/k/v's panels in place (the modules keep views).
+        self.decoder = cpu_decoder_policy(cpu_decoder, model, self.cache, self.cpu_attention, self.cpu_fused,
+                                          self.cpu_linear if self.panel_linears else None, max_model_len)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -97,6 +103,10 @@ class ModelRunner:
         ([rows, vocab]), or None (logits="none": prefill)."""
         num_new = [len(t) for t in tokens]
         kernel = self.cpu_attention
+        if self.decoder is not None:
+            out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, None, kernel), logits)
+            self.num_forward_tokens += sum(num_new)
+            return None if out is None else out.float()
         flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
             [s + n for s, n in zip(starts, num_new)], self.device)))
         lay = make_layout(slots, starts, tokens, self.device,

@@ -1,0 +1,185 @@
+"""The forward as one loop over our CPU kernels (pipeline/engine/cpu_decoder.py, engine.cpu_decoder):
+bitwise the logits and the slot store of the same runner on the model's own modules, for each family
+it takes (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms, Mistral), fp32 and bf16,
+over ragged rows, non-contiguous slots, prefill chunks, verify steps and rollbacks; q/k/v merged into
+one linear or not; which models and settings it refuses, and why; the self-check catching a wrong
+RoPE. The engine's greedy identity with HF generate runs on it too (test_greedy_identity.py "cpu",
+test_kv_invariants.py, and every test on the default, auto)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from pipeline.engine import cpu_decoder, cpu_fused, cpu_kernels, cpu_linear
+from pipeline.engine.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
+                                reason="no C compiler here: the kernels cannot be built")
+
+COMMON = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, tie_word_embeddings=False)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),                           # q/k/v biases
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32)),              # q/k norms, wide heads
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+}
+
+
+def _model(family: str, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    model = FAMILIES[family]().eval()
+    with torch.no_grad():           # random biases and norm weights, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if "norm" in name else 0.0))
+    return model.to(dtype)
+
+
+def _pair(model, slots: int = 5, max_len: int = 200):
+    loop = ModelRunner(copy.deepcopy(model), slots, max_len, cpu_decoder="on")
+    modules = ModelRunner(copy.deepcopy(model), slots, max_len, cpu_decoder="off")
+    assert loop.decoder is not None and modules.decoder is None
+    return loop, modules
+
+
+# (slots, starts, tokens per row, logits): prefill chunks of three prompts in non-contiguous slots, the
+# third prompt's second chunk beside two verify rows, a rollback (row 0 restarts 2 positions back over
+# rejected drafts), decode rows; "none" is the engine's prefill, "last" a plain step's logits
+STEPS = [([4, 0, 2], [0, 0, 0], [7, 3, 40], "none"),
+         ([2, 4, 0], [40, 7, 3], [9, 4, 5], "all"),
+         ([4, 0], [9, 8], [1, 3], "last"),
+         ([2, 0, 4], [49, 9, 10], [1, 1, 1], "last"),
+         ([0, 2, 4], [10, 50, 11], [1, 2, 5], "all")]
+
+
+def _run(runner, steps, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for slots, starts, lengths, logits in steps:
+        tokens = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+        outs.append(runner.forward(slots, starts, tokens, logits))
+    return outs
+
+
+def _assert_same(loop, modules, steps=STEPS):
+    for got, want in zip(_run(loop, steps), _run(modules, steps)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.shape == want.shape and torch.equal(got, want), (got - want).abs().max()
+    for name in ("keys", "values"):
+        for layer, (a, b) in enumerate(zip(getattr(loop.cache, name), getattr(modules.cache, name))):
+            assert torch.equal(a, b), f"{name} of layer {layer} differ"
+    assert loop.num_forward_tokens == modules.num_forward_tokens
+
+
+def _bf16_linear_missing() -> str | None:
+    return cpu_linear.unavailable(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loop_is_bitwise_the_modules(family, dtype):
+    if dtype == torch.bfloat16 and _bf16_linear_missing():
+        pytest.skip(f"no bf16 panel kernel on this CPU ({_bf16_linear_missing()}): bf16 keeps the modules")
+    loop, modules = _pair(_model(family, dtype))
+    assert loop.decoder.merged == COMMON["num_hidden_layers"]          # q/k/v as one linear everywhere
+    _assert_same(loop, modules)
+
+
+def test_loop_matches_hf_forward_within_rounding():
+    """Against Hugging Face's own forward (torch's linears, no slot store): a prompt in chunks."""
+    model = _model("qwen3", torch.float32)
+    loop = ModelRunner(copy.deepcopy(model), 3, 128, cpu_decoder="on")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
+    first = loop.forward([1], [0], [ids[0, :18].tolist()], "all")
+    rest = loop.forward([1], [18], [ids[0, 18:].tolist()], "all")
+    with torch.inference_mode():
+        want = model(ids).logits[0]
+    torch.testing.assert_close(torch.cat([first, rest]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_unmerged_projections_take_three_calls():
+    """Widths that are not multiples of the panel (40, 8): q, k and v stay three linears; same numbers."""
+    cfg = dict(COMMON, hidden_size=40, num_attention_heads=5, num_key_value_heads=1, intermediate_size=72)
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    loop, modules = _pair(model)
+    assert loop.decoder.merged == 0
+    _assert_same(loop, modules)
+
+
+def test_modules_on_the_merged_panels_compute_the_same():
+    """The merge leaves q/k/v_proj holding views of one buffer: the model's own forward through them
+    (the runner with its loop taken away) gives what the loop gives."""
+    loop = ModelRunner(_model("llama", torch.float32), 5, 200, cpu_decoder="on")
+    attn = loop.model.model.layers[1].self_attn
+    merged = loop.decoder.layers[1].qkv
+    assert attn.k_proj.panels.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    with_loop = _run(loop, STEPS[:2])
+    keys = [k.clone() for k in loop.cache.keys]
+    loop.decoder = None
+    for t in (*loop.cache.keys, *loop.cache.values):
+        t.zero_()
+    without = _run(loop, STEPS[:2])
+    assert torch.equal(with_loop[1], without[1])
+    assert all(torch.equal(a, b) for a, b in zip(keys, loop.cache.keys))
+
+
+def test_modes_and_refusals():
+    model = _model("llama", torch.float32)
+    # auto: not where a kernel it runs on is off
+    assert ModelRunner(copy.deepcopy(model), 2, 64, cpu_attention="off").decoder is None
+    assert ModelRunner(copy.deepcopy(model), 2, 64, cpu_fused="off").decoder is None
+    assert ModelRunner(copy.deepcopy(model), 2, 64, pack_linear=False).decoder is None
+    with pytest.raises(RuntimeError, match="engine.cpu_decoder=on.*cpu_attention is not in use"):
+        ModelRunner(copy.deepcopy(model), 2, 64, cpu_attention="off", cpu_decoder="on")
+    with pytest.raises(ValueError, match="engine.cpu_decoder: expected one of"):
+        ModelRunner(copy.deepcopy(model), 2, 64, cpu_decoder="yes")
+    # a model class it does not know, even a subclass of one it does
+    sub = type("MyLlama", (LlamaForCausalLM,), {})(model.config).eval()
+    with pytest.raises(RuntimeError, match="MyLlama: the loop knows"):
+        ModelRunner(sub, 2, 64, cpu_decoder="on")
+    # a sliding window shorter than the context served: the kernels attend to every key
+    torch.manual_seed(0)
+    windowed = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=32)).eval()
+    with pytest.raises(RuntimeError, match="sliding window 32 < max_model_len 64"):
+        ModelRunner(copy.deepcopy(windowed), 2, 64, cpu_decoder="on")
+    assert ModelRunner(windowed, 2, 32, cpu_decoder="on").decoder is not None
+
+
+def test_rope_store_refuses_positions_outside_the_store():
+    ops = cpu_fused.kernel()
+    q, k = torch.zeros(2, 64), torch.zeros(2, 32)
+    cos = sin = torch.zeros(2, 16)
+    store = torch.zeros(3, 2, 10, 16)
+    ok = torch.tensor([[1], [8], [2], [0]])
+    assert ops.rope_store(q, k, k.clone(), cos, sin, ok, store, store.clone()).shape == (2, 4, 16)
+    for bad in ([[1], [9], [2], [0]], [[3], [0], [2], [0]]):      # past the capacity; no such slot
+        with pytest.raises(ValueError, match="outside the store"):
+            ops.rope_store(q, k, k.clone(), cos, sin, torch.tensor(bad), store, store.clone())
+
+
+class _SwappedSinCos(cpu_fused.FusedOps):
+    """A wrong kernel: RoPE with sin and cos exchanged."""
+
+    def __init__(self, ops):
+        self.__dict__.update(ops.__dict__)
+
+    def rope_store(self, q, k, v, cos, sin, *rest):
+        return super().rope_store(q, k, v, sin, cos, *rest)
+
+
+def test_self_check_catches_a_wrong_rope():
+    assert cpu_fused.check_against_modules(cpu_fused.kernel()) < 1.0
+    assert cpu_fused.check_against_modules(_SwappedSinCos(cpu_fused.kernel())) > 1.0
+
+
+def test_unsupported_names_the_missing_kernels():
+    model = _model("llama", torch.float32)
+    why = cpu_decoder.unsupported(model, None, None, None, 64)
+    assert "cpu_attention, cpu_fused, cpu_linear is not in use" in why
