@@ -7,7 +7,9 @@ bench/.venv-vllm for vLLM's CPU build), one after another, `--repeats` times, in
 drift hits every configuration alike. Reported: median tokens/s with min-max spread, acceptance,
 tokens per round, peak RSS, the fraction of outputs identical to our engine without a draft, and the
 speedup our cost model predicts from the measured acceptance and the calibrated draft and verify
-costs (see bench/RESULTS.md for the model).
+costs (see bench/RESULTS.md for the model). Prompt-prefix caching is the same on both sides
+(--prefix-cache: our engine.prefix_reuse and vLLM's automatic prefix caching, on by default as in
+both systems; vLLM's is reset before each timed run, since each of ours starts in a fresh process).
 """
 from __future__ import annotations
 
@@ -28,13 +30,15 @@ VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
 def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto",
-          cpu_linear: str = "auto", cpu_fused: str = "auto") -> list[dict]:
+          cpu_linear: str = "auto", cpu_fused: str = "auto", cpu_decoder: str = "auto",
+          prefix_cache: str = "on") -> list[dict]:
     """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group.
     all_seqs: our engine's max_num_seqs for the all-at-once configurations (running sequences)."""
     spec = "ngram" if model == "smollm2" else "draft"
     eng = lambda drafter, batch, *extra: ["--mode", "engine", "--drafter", drafter, "--batch", str(batch),
                                           "--compile", compile, "--cpu-linear", cpu_linear,
-                                          "--cpu-fused", cpu_fused, *extra]
+                                          "--cpu-fused", cpu_fused, "--cpu-decoder", cpu_decoder,
+                                          "--prefix-reuse", prefix_cache, *extra]
     configs = [
         # all prompts at once
         {"name": "hf_static_b16", "n": n_all, "args": ["--mode", "hf-static", "--batch", "16"]},
@@ -74,7 +78,7 @@ def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: lis
 
 
 def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int, out: Path,
-             common: list[str]) -> dict[str, list[dict]]:
+             common: list[str], prefix_cache: str = "on") -> dict[str, list[dict]]:
     """vLLM's CPU build in its own venv: one load, batch all and batch 1, `repeats` times each."""
     from pipeline.models import resolve_hf_dir
     arg = lambda k: common[common.index(k) + 1]
@@ -85,6 +89,8 @@ def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int,
            "--n-b1", str(n_b1), "--repeats", str(repeats), "--max-num-batched-tokens", "4096", "--out", str(out)]
     if mode == "draft":
         cmd += ["--draft-dir", str(resolve_hf_dir(draft))]
+    if prefix_cache == "on":
+        cmd += ["--prefix-caching"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     res = _run(cmd, out, env)
     if "error" in res:
@@ -189,6 +195,11 @@ def main() -> None:
                     help="our engine.cpu_linear (off: oneDNN-packed linears)")
     ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"],
                     help="our engine.cpu_fused (off: the model's own RMSNorm and MLP modules)")
+    ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"],
+                    help="our engine.cpu_decoder (off: the model's forward over our kernels)")
+    ap.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                    help="both sides alike: our engine.prefix_reuse and vLLM's automatic prefix caching "
+                         "(reset before each of its timed runs)")
     ap.add_argument("--only", nargs="*", help="run only these config names")
     ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
@@ -201,7 +212,7 @@ def main() -> None:
         files[n] = workdir / f"prompts_{n}.json"
         json.dump(prompts[:n], open(files[n], "w"))
     configs = [c for c in suite(args.model, args.n_all, args.n_b1, args.all_seqs, args.compile, args.cpu_linear,
-                                 args.cpu_fused)
+                                 args.cpu_fused, args.cpu_decoder, args.prefix_cache)
                if not args.only or c["name"] in args.only]
     dtype = resolve_dtype(args.dtype, "cpu")     # concrete for every system (vLLM's own `auto` differs)
     print(f"dtype: {dtype.describe()}", flush=True)
@@ -220,7 +231,7 @@ def main() -> None:
                                                  else "FAILED " + res["error"][-300:]), flush=True)
     for mode in sorted({c["vllm"] for c in configs if "vllm" in c}):
         got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, args.repeats,
-                       workdir / f"vllm_{mode}.json", common)
+                       workdir / f"vllm_{mode}.json", common, args.prefix_cache)
         runs.update({k: v for k, v in got.items() if k in runs})
         print(f"vllm {mode}: " + ", ".join(f"{k} {[round(r.get('tokens_per_s', 0), 1) for r in v]}"
                                            for k, v in got.items()), flush=True)

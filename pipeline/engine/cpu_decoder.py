@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .cpu_attention import CpuAttention
-from .cpu_fused import FusedOps, KernelRMSNorm
+from .cpu_fused import FusedOps, GateUpMLP, KernelRMSNorm
 from .cpu_kernels import MODES, choose  # noqa: F401 - MODES: the config's choices
 from .cpu_linear import PANEL, PanelKernel, PanelLinear
 from .kv_cache import SlotKVCache, StepLayout
@@ -88,8 +88,10 @@ class Layer:
     qkv_bias: torch.Tensor | None   # widths not multiples of the panel, or bias on some only (three calls)
     q_norm: Norm | None             # Qwen3: RMSNorm over each head of q and k before RoPE
     k_norm: Norm | None
-    o_proj: nn.Module
-    mlp: nn.Module
+    o_proj: PanelLinear
+    mlp: nn.Module                  # called as a module, unless:
+    gate_up: PanelLinear | None     # an fp32 GateUpMLP on panel linears: its three kernel calls made here
+    down: PanelLinear | None
     scale: float
 
 
@@ -152,11 +154,22 @@ class CpuDecoder:
             for p in projections:
                 p.panels = qkv[at:at + p.panels.shape[0]]
                 at += p.panels.shape[0]
+        mlp = layer.mlp
+        panels = type(mlp) is GateUpMLP and type(mlp.gate_up_proj) is PanelLinear and type(mlp.down_proj) is PanelLinear
         return Layer(input_norm=Norm.of(layer.input_layernorm), post_norm=Norm.of(layer.post_attention_layernorm),
                      projections=projections, qkv=qkv, qkv_bias=bias,
                      q_norm=Norm.of(attn.q_norm) if qk_norm else None,
                      k_norm=Norm.of(attn.k_norm) if qk_norm else None,
-                     o_proj=attn.o_proj, mlp=layer.mlp, scale=attn.scaling)
+                     o_proj=attn.o_proj, mlp=mlp, gate_up=mlp.gate_up_proj if panels else None,
+                     down=mlp.down_proj if panels else None, scale=attn.scaling)
+
+    def _linear(self, x: torch.Tensor, linear: PanelLinear) -> torch.Tensor:
+        return self.linear.unchecked(x, linear.panels, linear.bias, linear.out_features)
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.gate_up is None:
+            return layer.mlp(h)
+        return self._linear(self.ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)
 
     def _qkv(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[tokens, width] each: column slices of one projection where merged."""
@@ -189,9 +202,9 @@ class CpuDecoder:
             if i == last and logits == "none":
                 return None                   # the rest of the last layer feeds only the logits
             a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale)
-            a = layer.o_proj(a.to(self.dtype).view(a.shape[0], -1))
+            a = self._linear(a.to(self.dtype).view(a.shape[0], -1), layer.o_proj)
             h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps)
-            m = layer.mlp(h)
+            m = self._mlp(layer, h)
             norm = self.layers[i + 1].input_norm if i < last else self.final_norm
             h = ops.add_rms_norm(residual, m, norm.weight, norm.eps)
         if logits == "last":
