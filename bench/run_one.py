@@ -20,7 +20,6 @@ import torch
 from bench import hf_baselines
 from pipeline.config import EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
-from pipeline.engine.prefix import PrefixIndex
 from pipeline.hardware import resolve_dtype
 from pipeline.models import ModelSpec, load_model
 from pipeline.runtime import build_engine
@@ -59,8 +58,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
         engine.calibrate()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
-    if engine.prefixes is not None:       # the warm-up's prompts must not be reused by the timed run
-        engine.prefixes = PrefixIndex()
+    engine.reset_prefix_cache()           # the warm-up's prompts must not be reused by the timed run
     t0 = time.perf_counter()
     done, rounds = _drain(engine, prompts, params, "p")
     wall = time.perf_counter() - t0

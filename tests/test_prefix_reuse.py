@@ -154,3 +154,24 @@ def test_reuse_keeps_sampled_output(target_model, draft_model, prompts, kind):
     _, done_off = _run(target_model, draft_model, prompts, kind, 4, "cpu", False, params)
     assert on.prefixes.num_reused > 0
     assert {k: c.output_ids for k, c in done_on.items()} == {k: c.output_ids for k, c in done_off.items()}
+
+
+def test_reset_prefix_cache_forgets_held_prefixes(target_model):
+    """After reset_prefix_cache a prompt that a finished sequence's slot still holds is computed again
+    (forwarded tokens say so); resetting while a request runs is refused."""
+    engine = make_engine(target_model, "none", max_num_seqs=2, max_model_len=128)
+    prompt = list(range(10, 40))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    run_requests(engine, [prompt], params, ids=["a"])
+    before = engine.target.num_forward_tokens
+    run_requests(engine, [prompt], params, ids=["b"])              # reuses "a"'s prompt KV
+    reused_run = engine.target.num_forward_tokens - before
+    assert engine.prefixes.num_reused == len(prompt) - 1
+    engine.reset_prefix_cache()
+    before = engine.target.num_forward_tokens
+    run_requests(engine, [prompt], params, ids=["c"])
+    assert engine.target.num_forward_tokens - before == reused_run + len(prompt) - 1
+    assert engine.prefixes.num_reused == 0
+    engine.add_request("d", prompt, params)
+    with pytest.raises(RuntimeError, match="still running"):
+        engine.reset_prefix_cache()

@@ -41,7 +41,8 @@ from .cpu_kernels import MODES, choose  # noqa: F401 - MODES: the config's choic
 from .cpu_linear import PANEL, PanelKernel, PanelLinear
 from .kv_cache import SlotKVCache, StepLayout
 
-# (causal LM, decoder layer, attention, whether q and k are normalised per head) by family
+# (transformers module, class prefix: <prefix>ForCausalLM / DecoderLayer / Attention, whether q and k are
+# RMS-normalised per head before RoPE), per family
 FAMILIES = (("llama.modeling_llama", "Llama", False), ("qwen2.modeling_qwen2", "Qwen2", False),
             ("qwen3.modeling_qwen3", "Qwen3", True), ("mistral.modeling_mistral", "Mistral", False))
 ROPE_HEAD_MULTIPLE = {torch.float32: 2, torch.bfloat16: 16}       # what fused_ops.c's rope_store takes

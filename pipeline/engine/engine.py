@@ -185,6 +185,14 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every prompt prefix the slot store holds, so no later prompt reuses one (a benchmark's
+        warm-up must not serve its timed run). Only between requests: raises while any is unfinished."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache: requests are still running or queued")
+        if self.prefixes is not None:
+            self.prefixes = PrefixIndex()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
