@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import active_sliding_window
 from .cpu_attention import CpuAttention
 from .cpu_fused import FusedOps, GateUpMLP, KernelRMSNorm
 from .cpu_kernels import MODES, choose  # noqa: F401 - MODES: the config's choices
@@ -106,7 +107,7 @@ def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps 
     family = family_of(model)
     if family is None:
         return f"{type(model).__name__}: the loop knows {', '.join(p for _, p, _ in FAMILIES)} causal LMs"
-    window = getattr(model.config, "sliding_window", None)     # a config field some families have
+    window = active_sliding_window(model.config)
     if window is not None and window < max_model_len:
         return f"sliding window {window} < max_model_len {max_model_len}: the kernels attend to every key"
     norms = [model.model.norm]
