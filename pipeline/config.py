@@ -44,6 +44,7 @@ class SuffixSection:
     max_spec_factor: float = 1.0      # at most factor * match length draft tokens
     max_cached_tokens: int = 32768    # worker-wide index over finished sequences, oldest evicted (0: off)
     index_running: bool = True        # the worker-wide index also holds running sequences' text as committed
+    sample_method: str = "probabilistic"   # sampled sequences draft by sampling the counts (q kept) | greedy
 
     def __post_init__(self):
         try:
@@ -370,6 +371,8 @@ def hashed_tree(cfg: JobConfig) -> dict:
         models.pop("hybrid_proposer")
     if not uses_suffix(cfg.models):
         models.pop("suffix")
+    elif models["suffix"]["sample_method"] == "greedy":   # the rule before the key existed
+        models["suffix"].pop("sample_method")
     return tree
 
 

@@ -65,13 +65,14 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return None
     if kind == "ngram":
         return NgramDrafter(min_n, max_n)
-    if kind == "suffix":            # min_match 1 (like min_n): tiny random models rarely repeat 2-grams
-        return SuffixDrafter(SuffixParams(min_match=1))
-    method = "probabilistic" if kind == "draft-prob" else "greedy"
+    if kind in ("suffix", "suffix-greedy"):   # min_match 1 (like min_n): tiny random models rarely repeat 2-grams
+        return SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy" if kind == "suffix-greedy"
+                                          else "probabilistic"))
+    method = "probabilistic" if kind in ("draft-prob", "hybrid-suffix-prob") else "greedy"
     model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
                                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear,
                                                   cpu_decoder=cpu_decoder), method)
-    if kind == "hybrid-suffix":
+    if kind in ("hybrid-suffix", "hybrid-suffix-prob"):   # suffix drafts sampled from counts where sampling
         return HybridDrafter(SuffixDrafter(SuffixParams(min_match=1)), model_drafter)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
 

@@ -4,7 +4,8 @@ the engine matches exact enumeration of the target's probabilities (vocabulary 8
 N = 30,000 requests per case, each with its own generator (seeded from its id). Outcomes whose
 expected count is below 5 are pooled into one bin. We fail when the chi-square p-value is below
 ALPHA = 1e-5: a correct engine fails a case with probability 1e-5 (the seeds are fixed, so the
-outcome is also reproducible). A 1% error on the most likely outcomes is detected.
+outcome is also reproducible). A 1% error on the most likely outcomes is detected. The mutant (suffix
+drafts verified against a q other than the one they were sampled from) must fail the same test.
 """
 import itertools
 
@@ -15,6 +16,7 @@ from scipy import stats
 
 from conftest import make_engine, noisy_copy, tiny_llama
 from pipeline.engine import SamplingParams
+from pipeline.engine.verify import SparseProbs
 from test_verify_exactness import reference_probs
 
 VOCAB, LENGTH, N, ALPHA = 8, 3, 30_000, 1e-5
@@ -64,18 +66,39 @@ CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel
     "ngram": ("ngram", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
     # Drafts come from the worker-wide index once the first wave of 256 has finished: the later
     # requests draft from earlier outputs, so drafts depend on what finished before (still exact).
+    # "suffix" samples its drafts from the index's counts (sparse q); "suffix-greedy" drafts the most
+    # frequent continuation (one-hot q); the hybrids mix suffix rows with the draft model's, one-hot
+    # (sparse q over the batch) or probabilistic (dense q).
     "suffix": ("suffix", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
+    "suffix-greedy": ("suffix-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
+    "hybrid-suffix": ("hybrid-suffix", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
+    "hybrid-suffix-prob": ("hybrid-suffix-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_continuations_match_exact_target(models, case):
+def run_case(models, kind, params, flex=False, wrong_q=False):
+    """N requests through the engine: (counts of whole continuations, accepted, drafted, draft rows
+    whose q had more than one token). wrong_q: the mutant that verifies sampled suffix drafts
+    against a uniform q over each row's support instead of the counts they were drawn from."""
     target, draft = models
-    kind, params, *attention = CASES[case]
-    flex = attention == ["flex"]
     engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2,
                          compile="on" if flex else "off", cpu_attention="off" if flex else "on")
+    spread = [0]
+    if engine.drafter is not None:
+        propose = engine.drafter.propose
+
+        def observed(*args):
+            batch = propose(*args)
+            q = batch.draft_probs
+            if isinstance(q, SparseProbs):
+                spread[0] += int((torch.bincount(q.row) > 1).sum())
+            elif q is not None:
+                spread[0] += int(((q > 0).sum(-1) > 1).sum())
+            if wrong_q and isinstance(q, SparseProbs):
+                size = torch.bincount(q.row, minlength=len(batch.draft_ids)).float()
+                q.prob = 1.0 / size[q.row]
+            return batch
+        engine.drafter.propose = observed
     for i in range(N):
         engine.add_request(f"r{i}", PROMPT, params, seed=11)
     counts: dict[tuple, int] = {}
@@ -88,9 +111,31 @@ def test_continuations_match_exact_target(models, case):
             key = tuple(c.output_ids)
             counts[key] = counts.get(key, 0) + 1
     assert sum(counts.values()) == N
+    return counts, accepted, drafted, spread[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_continuations_match_exact_target(models, case):
+    kind, params, *attention = CASES[case]
+    counts, accepted, drafted, spread = run_case(models, kind, params, flex=attention == ["flex"])
     if kind == "none":
         assert drafted == 0
     else:
         assert 0 < accepted < drafted, "the case must exercise both acceptance and rejection"
-    pvalue = chi2_pvalue(counts, exact_distribution(target, params), N)
+    if kind in ("suffix", "hybrid-suffix", "hybrid-suffix-prob", "draft-prob"):
+        assert spread > 1000, "sampled drafts must come with q over more than one token"
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
+
+
+@pytest.mark.slow
+def test_sampled_suffix_drafts_with_a_wrong_q_are_caught(models):
+    """The mutant: suffix drafts sampled from the counts but verified against another q (uniform
+    over the same support). The same chi-square test must reject it. (Verifying them as one-hot
+    would be no mutant: a token-only draft is exact however it was chosen, at lower acceptance.)"""
+    params = CASES["suffix"][1]
+    counts, _, _, spread = run_case(models, "suffix", params, wrong_q=True)
+    assert spread > 1000
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params), N)
+    assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"

@@ -4,6 +4,7 @@ memory bound under thousands of finished sequences."""
 import random
 
 import pytest
+import torch
 
 from conftest import greedy_reference, make_engine, run_requests
 from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
@@ -14,8 +15,8 @@ from pipeline.engine.suffix import RequestIndex, SuffixCache, SuffixTrie
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 
-def seq_of(prompt, output=()) -> Sequence:
-    return Sequence("r", list(prompt), GREEDY, 0, list(output))
+def seq_of(prompt, output=(), params=GREEDY) -> Sequence:
+    return Sequence("r", list(prompt), params, 0, list(output))
 
 
 def all_paths(trie: SuffixTrie) -> dict[tuple, int]:
@@ -60,13 +61,14 @@ def test_longest_match_and_most_frequent_continuation():
     # [2, 3] is followed by 4, 5, 5: the longest matched suffix of [..., 6, 2, 3] is [2, 3]
     length, node = trie.longest_match([6, 2, 3], max_len=7)
     assert length == 2 and node is trie.find([2, 3])
-    assert trie.walk(node, limit=1, min_prob=0.0)[0] == [5]
+    assert trie.walk(node, limit=1, min_prob=0.0).tokens == [5]
     # [9, 2, 3] occurs once, followed by 5 7: a longer match wins over the more frequent [2, 3]
     assert trie.longest_match([9, 2, 3], max_len=7)[0] == 3
-    assert trie.walk(trie.find([9, 2, 3]), limit=2, min_prob=0.0)[0] == [5, 7]
+    assert trie.walk(trie.find([9, 2, 3]), limit=2, min_prob=0.0).tokens == [5, 7]
     # the last occurrence of [2, 3, 5] ends the text: without a continuation it is not counted
     assert trie.count[trie.find([2, 3, 5])] == 2
-    tokens, score = trie.walk(trie.find([2, 3, 5]), limit=1, min_prob=0.0)
+    walk = trie.walk(trie.find([2, 3, 5]), limit=1, min_prob=0.0)
+    tokens, score = walk.tokens, walk.score
     assert tokens == [7] and score == pytest.approx(1.0)
 
 
@@ -87,6 +89,46 @@ def test_draft_length_from_confidence():
     assert trie.draft([0, 0, 42], 5, params) == ([], 0.0)                                  # no match
 
 
+def test_sampled_walk_draws_children_in_proportion_and_keeps_q():
+    trie = SuffixTrie(max_depth=10)
+    for tail in ([5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, 9], [5, 9, 9]):
+        trie.add([1, 2, 3, 4] + tail)
+    node = trie.find([3, 4])
+    # after [3, 4]: 5 always; then 6 for u < 3/5, else 9; after 5 6: 7 for u < 2/3, else 8
+    walk = trie.walk(node, 3, 0.0, uniforms=[0.99, 0.1, 0.9])
+    assert walk.tokens == [5, 6, 8]
+    assert [(t, pytest.approx(p)) for t, p in walk.q] == [([5], [1.0]), ([6, 9], [0.6, 0.4]),
+                                                            ([7, 8], [2 / 3, 1 / 3])]
+    assert trie.walk(node, 3, 0.0, uniforms=[0.0, 0.6, 0.0]).tokens == [5, 9, 9]       # u = 3/5: 9
+    assert trie.walk(node, 3, 0.0, uniforms=[0.0, 0.5999, 0.0]).tokens == [5, 6, 7]
+    # the stop rule is the greedy walk's (the running product of each node's top share):
+    assert trie.walk(node, 3, 0.5, uniforms=[0.0, 0.0, 0.0]).tokens == [5, 6]          # 1, 0.6, 0.4
+    sampled = trie.walk(node, 3, 0.5, uniforms=[0.0, 0.9, 0.0])                         # 1, 0.6, 0.6
+    assert sampled.tokens == [5, 9, 9] and sampled.score == pytest.approx(2.2)
+
+
+def test_drafter_samples_for_sampled_sequences_only():
+    hot = SamplingParams(max_tokens=8, temperature=0.8)
+    for method in ("probabilistic", "greedy"):
+        drafter = SuffixDrafter(SuffixParams(min_match=1, min_prob=0.0, max_spec_factor=4.0, sample_method=method))
+        for tail in ([5, 6], [5, 6], [5, 9]):
+            drafter.release(seq_of([1, 2, 3, 4] + tail))
+        seqs = [seq_of([0, 3, 4]), seq_of([0, 3, 4], params=hot)]
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        batch = drafter.propose(seqs, [2, 2], gens)
+        if method == "greedy":
+            assert batch.draft_probs is None and batch.proposals == [[5, 6], [5, 6]]
+            continue
+        q = batch.draft_probs                                 # greedy rows one-hot, the sampled ones spread
+        entries = sorted(zip(q.row.tolist(), q.token.tolist(), [round(p, 4) for p in q.prob.tolist()]))
+        second = batch.proposals[1][1]
+        assert batch.proposals[0] == [5, 6] and batch.proposals[1][0] == 5 and second in (6, 9)
+        assert entries == [(0, 5, 1.0), (1, 6, 1.0), (2, 5, 1.0), (3, 6, 0.6667), (3, 9, 0.3333)]
+        # the draws come from the sequence's own generator: the same seed, the same draft
+        again = drafter.propose(seqs, [2, 2], [torch.Generator().manual_seed(s) for s in (1, 2)])
+        assert again.proposals == batch.proposals
+
+
 def test_request_index_grows_incrementally():
     rng = random.Random(1)
     text = [rng.randrange(4) for _ in range(60)]
@@ -103,16 +145,16 @@ def test_request_index_grows_incrementally():
 def test_drafter_follows_commits_and_releases_into_the_cache():
     drafter = SuffixDrafter(SuffixParams(min_match=2, min_prob=0.6, max_spec_factor=4.0))
     seq = seq_of([1, 2, 3, 4, 5, 1, 2])
-    assert drafter.lookup(seq, 3) == [3, 4, 5]            # from its own prompt
+    assert drafter.lookup(seq, 3).tokens == [3, 4, 5]            # from its own prompt
     seq.output_ids += [3, 4, 7, 1, 2]                     # committed: 1 2 -> 3 twice
     drafter.on_commit([seq])
     assert drafter._own[seq].num_tokens == seq.num_tokens
-    assert drafter.lookup(seq, 3) == [3, 4]               # 3 4, then 5 or 7: 1/2 each, below min_prob
+    assert drafter.lookup(seq, 3).tokens == [3, 4]               # 3 4, then 5 or 7: 1/2 each, below min_prob
     drafter.release(seq)
     assert seq not in drafter._own and drafter.cache.num_tokens == seq.num_tokens
     other = seq_of([9, 9, 4, 7])                          # nothing in its own history: from the cache
-    assert drafter.lookup(other, 2) == [1, 2]
-    assert drafter.lookup(seq_of([0, 6]), 4) == []
+    assert drafter.lookup(other, 2).tokens == [1, 2]
+    assert drafter.lookup(seq_of([0, 6]), 4).tokens == []
 
 
 def test_own_history_and_cache_compete_on_score():
@@ -120,10 +162,10 @@ def test_own_history_and_cache_compete_on_score():
     for _ in range(3):
         drafter.release(seq_of([1, 2, 3, 4, 5, 6]))
     seq = seq_of([7, 1, 2, 9, 1, 2])
-    assert drafter.lookup(seq, 4) == [3, 4, 5, 6]         # the cache's score 4 beats its own 3:
+    assert drafter.lookup(seq, 4).tokens == [3, 4, 5, 6]         # the cache's score 4 beats its own 3:
     assert drafter._own[seq].draft(seq.all_ids(), 4, drafter.params) == ([9, 1, 2], 3.0)
     drafter.release(seq_of([1, 2, 7]))
-    assert drafter.lookup(seq, 4) == [9, 1, 2]            # now 3, 0.75 + 4, 0.75 ...: 3.0 vs 3.0
+    assert drafter.lookup(seq, 4).tokens == [9, 1, 2]            # now 3, 0.75 + 4, 0.75 ...: 3.0 vs 3.0
 
 
 def test_cache_memory_stays_bounded_under_thousands_of_sequences():
@@ -150,8 +192,8 @@ def test_cache_off_and_zero_length():
     drafter = SuffixDrafter(SuffixParams(max_cached_tokens=0))
     drafter.release(seq_of([1, 2, 3, 1, 2, 3]))
     assert drafter.cache.num_tokens == 0
-    assert drafter.lookup(seq_of([1, 2]), 4) == []
-    assert drafter.lookup(seq_of([1, 2, 3, 1, 2]), 0) == []
+    assert drafter.lookup(seq_of([1, 2]), 4).tokens == []
+    assert drafter.lookup(seq_of([1, 2, 3, 1, 2]), 0).tokens == []
     batch = drafter.propose([seq_of([1, 2, 3, 1, 2]), seq_of([5])], [3, 3], [None, None])
     assert batch.num_draft == [2, 0] and batch.tokens(0) == [3, 1] and batch.draft_probs is None   # 1 x match [1, 2]
 
@@ -221,7 +263,12 @@ def test_counts_less_a_subset_trie_are_the_other_texts_counts():
             if node is None or want is None:
                 continue
             got = everything.walk(node, 1, 0.0, own, own.find(context))     # most frequent / total,
-            assert got[1] == pytest.approx(others.walk(want, 1, 0.0)[1])    # whichever of a tie
+            assert got.score == pytest.approx(others.walk(want, 1, 0.0).score)   # whichever of a tie
+            # a sampled walk's q: the others' continuation counts, normalised
+            sampled, expected = everything.walk(node, 1, 0.0, own, own.find(context), [0.5]), \
+                others.walk(want, 1, 0.0, uniforms=[0.5])
+            as_dict = lambda walk: {t: pytest.approx(p) for t, p in zip(*walk.q[0])} if walk.q else {}
+            assert as_dict(sampled) == as_dict(expected)
 
 
 def test_running_sequences_draft_from_each_other():
@@ -231,13 +278,13 @@ def test_running_sequences_draft_from_each_other():
         ahead, behind = seq_of(prompt, answer), seq_of(prompt, answer[:2])
         drafter.on_commit([ahead, behind])                   # both running; neither has finished
         # behind's own history has 1 2 -> nothing yet; ahead's text continues 1 2 with 3 4 and 8 9
-        assert drafter.lookup(behind, 2) == ([3, 4] if index_running else [])
+        assert drafter.lookup(behind, 2).tokens == ([3, 4] if index_running else [])
         assert drafter._own[behind].draft(behind.all_ids(), 2, drafter.params) == ([], 0.0)
     drafter = SuffixDrafter(SuffixParams(min_match=2, max_spec_factor=4.0))
     alone = seq_of(prompt, answer)
     drafter.on_commit([alone])                               # its own text is not counted twice
     assert drafter.cache.trie.draft(alone.all_ids(), 4, drafter.params, drafter._own[alone]) == ([], 0.0)
-    assert drafter.lookup(alone, 4) == drafter._own[alone].draft(alone.all_ids()[-16:], 4, drafter.params)[0]
+    assert drafter.lookup(alone, 4).tokens == drafter._own[alone].draft(alone.all_ids()[-16:], 4, drafter.params)[0]
 
 
 # ---- through the engine -----------------------------------------------------------------------------
@@ -276,6 +323,7 @@ def test_greedy_identity_with_templated_prompts(target_model, draft_model, kind,
     ("models.suffix.max_spec_factor=0", "models.suffix.max_spec_factor"),
     ("models.suffix.max_cached_tokens=-1", "models.suffix.max_cached_tokens"),
     ("models.suffix.depth=8", "models.suffix.depth"),
+    ("models.suffix.sample_method=top", "models.suffix.sample_method"),
     ("models.hybrid_proposer=draft", "models.hybrid_proposer"),
 ])
 def test_bad_suffix_config_names_the_key(override, key):
@@ -294,6 +342,12 @@ def test_suffix_config_loads_and_hashes():
     hybrid = load_config("configs/demo.yaml", ["models.drafter=hybrid", "models.draft=x",
                                                "models.hybrid_proposer=suffix"])
     assert hashed_tree(hybrid)["models"]["hybrid_proposer"] == "suffix" and "suffix" in hashed_tree(hybrid)["models"]
+    # the most-frequent rule hashes as before the key existed (its runs resume); sampling is another run
+    greedy = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.2",
+                                               "models.suffix.sample_method=greedy"])
+    assert "sample_method" not in hashed_tree(greedy)["models"]["suffix"]
+    assert hashed_tree(cfg)["models"]["suffix"]["sample_method"] == "probabilistic"
+    assert config_hash(greedy) != config_hash(cfg)
 
 
 # ---- the job ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from scipy import stats
 
 from pipeline.engine.logits import RowParams, processed_probs
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.verify import sample_from_probs, verify
+from pipeline.engine.verify import SparseProbs, sample_from_probs, verify
 
 N, G, VOCAB, ALPHA = 200_000, 2, 8, 1e-5
 
@@ -64,6 +64,8 @@ CASES = {
     "onehot-q": (SamplingParams(temperature=1.0), "onehot"),
     "filters-probabilistic": (SamplingParams(temperature=0.7, top_k=6, top_p=0.9, min_p=0.05), "probabilistic"),
     "filters-onehot": (SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.02), "onehot"),
+    # a suffix index's q: a few tokens per row (SparseProbs), some outside the target's top-k
+    "sparse-q": (SamplingParams(temperature=0.8, top_k=6), "sparse"),
 }
 
 
@@ -74,10 +76,17 @@ def run_case(params: SamplingParams, q_kind: str, verify_fn, seed: int = 0):
     rp = RowParams.from_params([params] * (G + 1), "cpu")
     p = processed_probs(target_logits, rp)                               # [g+1, vocab]
     q = processed_probs(draft_logits, RowParams.from_params([params] * G, "cpu"))
-    if q_kind == "probabilistic":
+    if q_kind == "sparse":                  # q on 3 tokens per position (counts 3:2:1), as COO entries
+        q = torch.zeros(G, VOCAB)
+        for i in range(G):
+            q[i, torch.randperm(VOCAB, generator=gen)[:3]] = torch.tensor([3.0, 2.0, 1.0]) / 6
+    if q_kind in ("probabilistic", "sparse"):
         drafts = torch.stack([sample_from_probs(q[i].expand(N, VOCAB), torch.rand(N, generator=gen))
                               for i in range(G)], dim=1)                 # [N, g]
         draft_probs = q.repeat(N, 1)                                     # [N * g, vocab]
+        if q_kind == "sparse":
+            nz = draft_probs.nonzero()
+            draft_probs = SparseProbs(nz[:, 0], nz[:, 1], draft_probs[nz[:, 0], nz[:, 1]])
     else:   # token-only draft: the draft's top choice at each position, q one-hot
         drafts = q.argmax(dim=-1).expand(N, G)
         draft_probs = None
@@ -110,11 +119,31 @@ def test_verifier_matches_target(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["probabilistic-q", "onehot-q", "filters-probabilistic"])
+@pytest.mark.parametrize("case", ["probabilistic-q", "onehot-q", "filters-probabilistic", "sparse-q"])
 def test_wrong_verifier_is_rejected(case):
     params, q_kind = CASES[case]
     out, expected = run_case(params, q_kind, wrong_verify)
     assert pvalues(out, expected)["first"] < ALPHA
+
+
+def test_sparse_q_verifies_exactly_as_the_same_q_dense():
+    """SparseProbs is a layout, not a rule: the same q dense or sparse gives the same output bitwise."""
+    gen = torch.Generator().manual_seed(3)
+    num_seqs, g, vocab = 64, 3, 50
+    p = torch.softmax(torch.randn(num_seqs * (g + 1), vocab, generator=gen) * 2, dim=-1)
+    q = torch.rand(num_seqs * g, vocab, generator=gen) * (torch.rand(num_seqs * g, vocab, generator=gen) < 0.1)
+    q[:, 0] += 0.01                                                     # every row some support
+    q /= q.sum(-1, keepdim=True)
+    draft_ids = sample_from_probs(q, torch.rand(num_seqs * g, generator=gen))
+    cu = torch.arange(0, num_seqs * g + 1, g)
+    nz = q.nonzero()
+    sparse = SparseProbs(nz[:, 0], nz[:, 1], q[nz[:, 0], nz[:, 1]])
+    args = (torch.zeros(num_seqs, dtype=torch.bool), torch.rand(num_seqs * g, generator=gen),
+            torch.rand(num_seqs, generator=gen))
+    dense_out, sparse_out = verify(draft_ids, cu, p, q, *args), verify(draft_ids, cu, p, sparse, *args)
+    assert torch.equal(dense_out.output_ids, sparse_out.output_ids)
+    assert torch.equal(dense_out.is_accepted, sparse_out.is_accepted)
+    assert 0 < int(dense_out.num_accepted.sum()) < num_seqs * g
 
 
 def test_processed_probs_matches_reference():

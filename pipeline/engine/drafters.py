@@ -27,7 +27,7 @@ from .logits import row_probs
 from .prefill import Chunk, forward_history
 from .request import Sequence
 from .runner import ModelRunner
-from .verify import sample_from_probs
+from .verify import SparseProbs, sample_from_probs
 
 
 @dataclass
@@ -35,7 +35,7 @@ class DraftBatch:
     num_draft: list[int]                 # [num_seqs] proposed tokens per sequence (may be 0)
     draft_ids: torch.Tensor              # [num_draft_tokens] int64, flat
     cu_num_draft: torch.Tensor           # [num_seqs + 1] int64
-    draft_probs: torch.Tensor | None     # [num_draft_tokens, vocab] q, or None: all one-hot
+    draft_probs: torch.Tensor | SparseProbs | None   # q: [num_draft_tokens, vocab] dense, sparse, or None: all one-hot
     is_onehot: torch.Tensor | None       # [num_draft_tokens] bool, for mixed batches (hybrid)
     proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
 
@@ -307,20 +307,31 @@ class HybridDrafter:
         for i, b in enumerate(need):
             proposals[b] = sub.tokens(i)
         device = self.draft_runner.device
-        if sub.draft_probs is None:
+        if sub.draft_probs is None and found.draft_probs is None:
             return DraftBatch.from_lists(proposals, device)
-        return self._mixed(proposals, need, sub, device)
+        return self._mixed(proposals, need, found, sub, device)
 
     @staticmethod
-    def _mixed(proposals, need, sub: DraftBatch, device) -> DraftBatch:
-        """Scatter the model's q rows into the flat batch; the first part's rows are marked one-hot."""
+    def _mixed(proposals, need, found: DraftBatch, sub: DraftBatch, device) -> DraftBatch:
+        """Both parts' q in one flat batch: the first part's rows (sparse q, or one-hot), then the
+        model's (dense q, or one-hot), each part's rows in its own order. Dense where the model
+        kept q (the first part's entries scattered in), sparse otherwise."""
         batch = DraftBatch.from_lists(proposals, device)
-        vocab = sub.draft_probs.shape[-1]
-        probs = torch.zeros(len(batch.draft_ids), vocab, dtype=sub.draft_probs.dtype, device=device)
-        is_onehot = torch.ones(len(batch.draft_ids), dtype=torch.bool, device=device)
-        for i, b in enumerate(need):
-            lo, hi = int(batch.cu_num_draft[b]), int(batch.cu_num_draft[b + 1])
-            probs[lo:hi] = sub.draft_probs[int(sub.cu_num_draft[i]):int(sub.cu_num_draft[i + 1])]
-            is_onehot[lo:hi] = False
-        batch.draft_probs, batch.is_onehot = probs, is_onehot
+        cu, needed = batch.cu_num_draft.tolist(), set(need)
+        rows = lambda seqs: torch.tensor([r for b in seqs for r in range(cu[b], cu[b + 1])], dtype=torch.long,
+                                         device=device)
+        first_rows, model_rows = rows(b for b in range(len(proposals)) if b not in needed), rows(need)
+        fq = found.draft_probs.to(device) if found.draft_probs is not None else SparseProbs(
+            torch.arange(len(first_rows), device=device), batch.draft_ids[first_rows],
+            torch.ones(len(first_rows), device=device))
+        if sub.draft_probs is None:                     # the model's rows one-hot: stay sparse
+            batch.draft_probs = SparseProbs(torch.cat([first_rows[fq.row], model_rows]),
+                                            torch.cat([fq.token, batch.draft_ids[model_rows]]),
+                                            torch.cat([fq.prob, torch.ones(len(model_rows), device=device)]))
+            return batch
+        probs = torch.zeros(len(batch.draft_ids), sub.draft_probs.shape[-1], dtype=sub.draft_probs.dtype,
+                            device=device)
+        probs[model_rows] = sub.draft_probs.to(device)
+        probs[first_rows[fq.row], fq.token] = fq.prob.to(probs.dtype)
+        batch.draft_probs, batch.is_onehot = probs, None
         return batch

@@ -24,16 +24,29 @@ the per-request and worker-wide drafts compete on score, the per-request one win
 sequence's own text is subtracted from the worker-wide counts when it looks up (its per-request trie
 holds exactly that text), so the worker-wide draft is what the *other* sequences continued with.
 
-The index is plain Python (no torch). Drafts are token only (one-hot q), so the engine's verifier
-stays exact at any temperature. This module knows nothing about models, verification or rounds.
+Sampled drafts (`sample_method` probabilistic, the default, for sequences that sample): the winning
+index's walk is taken again from the same node, each step now drawing a child in proportion to its
+count (one uniform per step from the sequence's draft generator) and stopping by the same running
+top-share rule. The draft then comes with q: at each step, the counts normalised over the node's
+children. The verifier accepts y with probability min(1, p(y) / q(y)) and resamples from
+norm([p - q]+), exact for any q (verify.py), so this is lossless like a one-hot draft; it gains where
+the target itself spreads over continuations the index has seen (several samples of one templated
+prompt): acceptance is then sum_y min(p(y), q(y)) instead of p(most frequent y). Greedy sequences
+keep the most-frequent walk, one-hot q.
+
+The index is plain Python; torch only draws the uniforms. This module knows nothing about models,
+verification or rounds.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from .drafters import DraftBatch, FreeDrafter
 from .request import Sequence
+from .verify import SparseProbs
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,7 @@ class SuffixParams:
     max_spec_factor: float = 1.0      # at most factor * match length draft tokens
     max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
     index_running: bool = True        # the worker-wide index also holds running sequences' text, as committed
+    sample_method: str = "probabilistic"   # sampled sequences: draft by sampling the counts (keeps q) | greedy
 
     def __post_init__(self):
         if not (isinstance(self.max_depth, int) and 2 <= self.max_depth <= 256):
@@ -58,6 +72,8 @@ class SuffixParams:
             raise ValueError(f"max_cached_tokens: expected an integer >= 0, got {self.max_cached_tokens!r}")
         if not isinstance(self.index_running, bool):
             raise ValueError(f"index_running: expected true or false, got {self.index_running!r}")
+        if self.sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"sample_method: expected 'greedy' or 'probabilistic', got {self.sample_method!r}")
 
 
 class SuffixTrie:
@@ -157,43 +173,90 @@ class SuffixTrie:
         return lo, best
 
     def walk(self, node: int, limit: int, min_prob: float, minus: "SuffixTrie | None" = None,
-             minus_node: int | None = None) -> tuple[list[int], float]:
-        """Most frequent continuation of `node`, at most `limit` tokens, each with estimated
-        probability >= min_prob; with `minus` (minus_node: its node for the same path, None where it
-        lacks the path), counted here less minus's counts. Returns (tokens, sum of their probabilities)."""
-        tokens, prob, score, count = [], 1.0, 0.0, self.count
-        while len(tokens) < limit:
+             minus_node: int | None = None, uniforms: list[float] | None = None) -> Walk:
+        """A continuation of `node`, at most `limit` tokens, while the running product of each node's
+        top share (its most frequent child's count / all its children's) stays >= min_prob; with
+        `minus` (minus_node: its node for the same path, None where it lacks the path), counted here
+        less minus's counts. Without uniforms, each step takes the most frequent child; with them
+        (one per step), each step samples a child in proportion to its count and the walk records
+        that distribution (q, for the verifier)."""
+        walk, prob, count = Walk([], 0.0, [] if uniforms is not None else None), 1.0, self.count
+        while len(walk.tokens) < limit:
             minus_children = minus.children[minus_node] if minus_node is not None else None
-            total = best_count = 0
+            options, total, best = [], 0, None
             for token, child in self.children[node].items():      # hot loop
                 n, minus_child = count[child], None
                 if minus_children is not None:
                     minus_child = minus_children.get(token)
                     if minus_child is not None:
                         n -= minus.count[minus_child]
+                if n <= 0:
+                    continue
+                options.append((n, token, child, minus_child))
                 total += n
-                if n > best_count:
-                    best_token, best_child, best_minus, best_count = token, child, minus_child, n
-            if not best_count:
+                if best is None or n > best[0]:
+                    best = options[-1]
+            if best is None:
                 break
-            prob *= best_count / total
+            prob *= best[0] / total
             if prob < min_prob:
                 break
-            tokens.append(best_token)
-            score += prob
-            node, minus_node = best_child, best_minus
-        return tokens, score
+            if uniforms is None:
+                _, token, node, minus_node = best
+            else:
+                _, token, node, minus_node = _pick(options, uniforms[len(walk.tokens)] * total)
+                walk.q.append(([o[1] for o in options], [o[0] / total for o in options]))
+            walk.tokens.append(token)
+            walk.score += prob
+        return walk
+
+    def match(self, context: list[int], k: int, params: SuffixParams,
+              minus: "SuffixTrie | None" = None) -> "Match | None":
+        """The node a draft of up to k tokens after `context` starts from, by the module's rule; with
+        `minus`, in the counts here less minus's (a trie whose texts are all indexed here too)."""
+        length, node = self.longest_match(context, max(params.min_match, self.max_depth - k), minus)
+        if length < params.min_match:
+            return None
+        minus_node = minus.find(context[len(context) - length:]) if minus is not None else None
+        return Match(self, node, minus, minus_node, min(k, int(params.max_spec_factor * length + 1e-9)))
 
     def draft(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> tuple[list[int], float]:
-        """Up to k draft tokens after `context` by the module's rule, and their score; with `minus`,
-        from the counts here less minus's (a trie whose texts are all indexed here too)."""
-        length, node = self.longest_match(context, max(params.min_match, self.max_depth - k), minus)
-        if length < params.min_match:
+        """Up to k most-frequent draft tokens after `context` (`match`, then `walk`), and their score."""
+        found = self.match(context, k, params, minus)
+        if found is None:
             return [], 0.0
-        minus_node = minus.find(context[len(context) - length:]) if minus is not None else None
-        return self.walk(node, min(k, int(params.max_spec_factor * length + 1e-9)), params.min_prob,
-                         minus, minus_node)
+        walk = found.walk(params.min_prob)
+        return walk.tokens, walk.score
+
+
+def _pick(options: list[tuple], target: float) -> tuple:
+    """The option whose cumulative count first exceeds target (inverse CDF over counts)."""
+    for option in options:
+        target -= option[0]
+        if target < 0:
+            return option
+    return options[-1]
+
+
+@dataclass
+class Walk:
+    tokens: list[int]                                      # the draft
+    score: float                                           # sum of the running top-share products
+    q: list[tuple[list[int], list[float]]] | None          # sampled walks: per token, (support, probs)
+
+
+@dataclass
+class Match:
+    """Where a draft starts: a node of `trie` (counts less `minus`'s at `minus_node`), at most `limit` tokens."""
+    trie: SuffixTrie
+    node: int
+    minus: SuffixTrie | None
+    minus_node: int | None
+    limit: int
+
+    def walk(self, min_prob: float, uniforms: list[float] | None = None) -> Walk:
+        return self.trie.walk(self.node, self.limit, min_prob, self.minus, self.minus_node, uniforms)
 
 
 class RequestIndex(SuffixTrie):
@@ -321,18 +384,32 @@ class SuffixDrafter(FreeDrafter):
         self._own.pop(seq, None)
         self.cache.finish(seq, seq.all_ids())
 
-    def lookup(self, seq: Sequence, k: int) -> list[int]:
+    def lookup(self, seq: Sequence, k: int, generator: torch.Generator | None = None) -> Walk:
+        """Up to k draft tokens for `seq`: the better-scoring of its own index's and the worker-wide
+        index's most-frequent walks; sampled from the winner's counts (with q) where the sequence
+        samples and sample_method is probabilistic."""
+        empty = Walk([], 0.0, None)
         if k <= 0:
-            return []
+            return empty
         own = self._synced(seq)
         context = seq.all_ids()[-self.params.max_depth:]
-        tokens, score = own.draft(context, k, self.params)
+        best = own.match(context, k, self.params)
+        walk = best.walk(self.params.min_prob) if best is not None else empty
         if self.cache.num_tokens:
             minus = own if self.cache.is_indexed(seq) else None           # its own text: counted in `own`
-            other, other_score = self.cache.trie.draft(context, k, self.params, minus)
-            if other_score > score:
-                tokens = other
-        return tokens
+            other = self.cache.trie.match(context, k, self.params, minus)
+            if other is not None:
+                other_walk = other.walk(self.params.min_prob)
+                if other_walk.score > walk.score:
+                    best, walk = other, other_walk
+        if walk.tokens and self.params.sample_method == "probabilistic" and not seq.params.is_greedy:
+            walk = best.walk(self.params.min_prob, torch.rand(best.limit, generator=generator).tolist())
+        return walk
 
     def propose(self, seqs: list[Sequence], lengths: list[int], generators) -> DraftBatch:
-        return DraftBatch.from_lists([self.lookup(s, g) for s, g in zip(seqs, lengths)], self.device)
+        walks = [self.lookup(s, g, gen) for s, g, gen in zip(seqs, lengths, generators)]
+        proposals = [w.tokens for w in walks]
+        if all(w.q is None for w in walks):
+            return DraftBatch.from_lists(proposals, self.device)
+        rows = [w.q if w.q is not None else [([t], [1.0]) for t in w.tokens] for w in walks]
+        return DraftBatch.from_lists(proposals, self.device, SparseProbs.from_lists(rows, self.device))

@@ -7,6 +7,11 @@ norm([p_i - q_i]+). For token-only drafts q_i is one-hot on y_i: acceptance is p
 residual is p_i with y_i removed, renormalised. When every draft token is accepted a *bonus* token is
 drawn from p_{g+1}. Either way the emitted sequence is distributed exactly as the target's.
 
+q comes in one of three forms: None (every draft row one-hot), dense [num_draft_tokens, vocab] (a
+draft model's), or `SparseProbs` (a small support per row, as a suffix index's continuation counts
+give: COO entries, each row listing at least its own draft token). Only q(y_i) and the rows at a
+first rejection are ever read, so a sparse q is never made dense beyond those rows.
+
 Ragged batches are stored flat: sequence b owns draft rows cu_num_draft[b]:cu_num_draft[b+1] and
 target rows cu_num_draft[b]+b : cu_num_draft[b+1]+b+1 (its g_b + 1 distributions).
 
@@ -45,6 +50,47 @@ class HostVerifyOutput:
     is_accepted: list[bool]
 
 
+@dataclass
+class SparseProbs:
+    """q rows as COO entries: q[row[i], token[i]] = prob[i], zero elsewhere; (row, token) pairs unique."""
+    row: torch.Tensor      # [nnz] int64 draft row
+    token: torch.Tensor    # [nnz] int64
+    prob: torch.Tensor     # [nnz] float
+
+    @classmethod
+    def from_lists(cls, rows: list[list[tuple[list[int], list[float]]]], device) -> "SparseProbs":
+        """rows[b][i] = (tokens, probs): the support of sequence b's i-th draft row, rows flat in order."""
+        row, token, prob, r = [], [], [], 0
+        for seq_rows in rows:
+            for tokens, probs in seq_rows:
+                row += [r] * len(tokens)
+                token += tokens
+                prob += probs
+                r += 1
+        return cls(torch.tensor(row, dtype=torch.long, device=device),
+                   torch.tensor(token, dtype=torch.long, device=device),
+                   torch.tensor(prob, dtype=torch.float32, device=device))
+
+    def to(self, device) -> "SparseProbs":
+        return SparseProbs(self.row.to(device), self.token.to(device), self.prob.to(device))
+
+    def at(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """[num_draft_tokens] q(y) of each row's own draft token."""
+        hit = self.token == draft_ids[self.row]
+        return torch.zeros(len(draft_ids), dtype=self.prob.dtype, device=draft_ids.device).index_put_(
+            (self.row[hit],), self.prob[hit])
+
+    def dense(self, rows: torch.Tensor, num_draft_tokens: int, vocab: int, dtype) -> torch.Tensor:
+        """[len(rows), vocab]: the given draft rows (distinct) made dense."""
+        where = torch.full((num_draft_tokens,), -1, dtype=torch.long, device=rows.device)
+        where[rows] = torch.arange(len(rows), device=rows.device)
+        out_row = where[self.row]
+        keep = out_row >= 0
+        out = torch.zeros(len(rows), vocab, dtype=dtype, device=rows.device)
+        out[out_row[keep], self.token[keep]] = self.prob[keep].to(dtype)
+        return out
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row. probs [rows, vocab] (need not be normalised),
     uniforms [rows] in [0, 1). Returns [rows] int64. Zero-probability tokens are never drawn."""
@@ -77,7 +123,7 @@ def verify(
     draft_ids: torch.Tensor,          # [num_draft_tokens] int64, flat
     cu_num_draft: torch.Tensor,       # [num_seqs + 1] int64 offsets
     target_probs: torch.Tensor,       # [num_draft_tokens + num_seqs, vocab] processed p (rows per seq: g+1)
-    draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab] processed q, or None (all one-hot)
+    draft_probs: "torch.Tensor | SparseProbs | None",  # q: [num_draft_tokens, vocab], sparse, or None (one-hot)
     is_greedy: torch.Tensor,          # [num_seqs] bool
     accept_uniforms: torch.Tensor,    # [num_draft_tokens] in [0, 1)
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
@@ -93,7 +139,7 @@ def verify(
     p_y = p_rows.gather(1, draft_ids.unsqueeze(1)).squeeze(1)           # [num_draft_tokens]
     onehot = _onehot_mask(draft_probs, is_onehot, draft_ids)
     q_y = torch.ones_like(p_y) if draft_probs is None else torch.where(
-        onehot, torch.ones_like(p_y), draft_probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1).to(p_y.dtype))
+        onehot, torch.ones_like(p_y), _q_at(draft_probs, draft_ids).to(p_y.dtype))
     # u < min(1, p/q)  <=>  u * q < p  (q > 0 for a proposed token)
     sampled_accept = accept_uniforms.to(p_y.dtype) * q_y < p_y
     greedy_accept = draft_ids == p_rows.argmax(dim=-1)
@@ -159,10 +205,18 @@ def _onehot_mask(draft_probs, is_onehot, draft_ids) -> torch.Tensor:
     return is_onehot
 
 
+def _q_at(draft_probs, draft_ids) -> torch.Tensor:
+    if isinstance(draft_probs, SparseProbs):
+        return draft_probs.at(draft_ids)
+    return draft_probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
+
+
 def _q_rows(draft_probs, onehot, draft_ids, rows, vocab, dtype) -> torch.Tensor:
     """q for the given draft rows as dense [len(rows), vocab]; one-hot rows built on the fly."""
     dense = torch.zeros(len(rows), vocab, dtype=dtype, device=draft_ids.device)
     dense[torch.arange(len(rows), device=draft_ids.device), draft_ids[rows]] = 1.0
     if draft_probs is None:
         return dense
-    return torch.where(onehot[rows].unsqueeze(1), dense, draft_probs[rows].to(dtype))
+    q = (draft_probs.dense(rows, len(draft_ids), vocab, dtype) if isinstance(draft_probs, SparseProbs)
+         else draft_probs[rows].to(dtype))
+    return torch.where(onehot[rows].unsqueeze(1), dense, q)
