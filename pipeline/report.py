@@ -64,6 +64,9 @@ def print_summary(summary: dict, show: int = 3, storage: StorageConfig = Storage
           f"({s['tokens_per_s']} tok/s, {s['rows_per_s']} rows/s; generating {s.get('generate_s')} s, "
           f"{s.get('generate_tokens_per_s')} tok/s); acceptance {s['acceptance_rate']}, "
           f"{s['tokens_per_round']} tokens/round")
+    if s.get("prompt_tokens"):
+        print(f"prompt tokens {s['prompt_tokens']}, {s['prompt_tokens_reused']} of them copied from a slot "
+              f"holding the same prefix ({100 * s['prefix_reuse_rate']:.1f}%, engine.prefix_reuse)")
     for line in model_lines(s.get("workers", [])):
         print(line)
     print(f"output: {run_url} (manifest.json, _SUCCESS)")

@@ -22,7 +22,8 @@ class ScriptedDrafter:
 
     def __init__(self, script: dict[str, list[int]], vocab: int, corrupt_every: int = 3):
         self.script, self.vocab, self.corrupt_every = script, vocab, corrupt_every
-        self.calls: dict[str, list] = {"prefill": [], "propose": [], "on_commit": [], "release": []}
+        self.calls: dict[str, list] = {"prefill": [], "reuse_prefix": [], "propose": [], "on_commit": [],
+                                       "release": []}
         self._frozen = True
 
     def __setattr__(self, name, value):
@@ -36,6 +37,9 @@ class ScriptedDrafter:
 
     def prefill(self, chunks) -> None:
         self.calls["prefill"].append([(seq.request_id, n) for seq, n in chunks])
+
+    def reuse_prefix(self, seq, donor, n) -> None:
+        self.calls["reuse_prefix"].append((seq.request_id, n))
 
     def catch_up_lag(self, seq) -> int:
         return 0
@@ -82,7 +86,11 @@ def test_a_protocol_only_drafter_runs_through_the_engine_losslessly(target_model
     for chunk in drafter.calls["prefill"]:
         for rid, n in chunk:
             prefilled[rid] = prefilled.get(rid, 0) + n
-    assert prefilled == {str(i): len(p) - 1 for i, p in enumerate(prompts) if len(p) > 1}
+    reused = dict(drafter.calls["reuse_prefix"])                 # once per sequence, before its prefill
+    assert len(reused) == len(drafter.calls["reuse_prefix"]) == len(prompts)
+    assert reused == {rid: c.prompt_tokens_reused for rid, c in done.items()}
+    assert prefilled == {str(i): len(p) - 1 - reused[str(i)] for i, p in enumerate(prompts)
+                         if len(p) - 1 - reused[str(i)] > 0}
     for seqs, generators in drafter.calls["propose"]:
         assert all(g is s.rng.draft for s, g in zip(seqs, generators)) and len(seqs) == len(generators)
     assert len(drafter.calls["on_commit"]) == len(drafter.calls["propose"]) == engine.num_steps

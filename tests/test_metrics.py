@@ -28,14 +28,16 @@ def _round(draft_len, mask, emitted):
 
 def test_tally_aggregates_rounds_per_position_and_reasons():
     t = Tally()
-    t.add_step([_round(3, [True, True, False], 3), _round(0, [], 1)], [SimpleNamespace(finish_reason="stop")], 2, 5)
-    t.add_step([_round(3, [True, False, False], 2)], [SimpleNamespace(finish_reason="length")] * 2, 1, 0)
+    done = lambda reason, reused: SimpleNamespace(finish_reason=reason, prompt_len=10, prompt_tokens_reused=reused)
+    t.add_step([_round(3, [True, True, False], 3), _round(0, [], 1)], [done("stop", 0)], 2, 5)
+    t.add_step([_round(3, [True, False, False], 2)], [done("length", 9), done("length", 4)], 1, 0)
     c = t.take()
     assert (c["rounds", None], c["spec_decode_num_drafts", None]) == (3, 2)      # the empty draft is a round only
     assert (c["spec_decode_num_draft_tokens", None], c["spec_decode_num_accepted_tokens", None]) == (6, 3)
     assert (c["spec_decode_num_accepted_tokens_per_pos", "0"], c["spec_decode_num_accepted_tokens_per_pos", "1"]) == (2, 1)
     assert c["generation_tokens", None] == 6 and (t.running, t.waiting) == (1, 0)
     assert (c["request_success", "stop"], c["request_success", "length"]) == (1, 2)
+    assert (c["prefix_cache_queries", None], c["prefix_cache_hits", None]) == (30, 13)
     assert not t.take()                                                           # taking resets the counts
 
 
@@ -159,6 +161,8 @@ def _expected(run: dict, summary: dict) -> dict:
         "ray_specpipe_spec_decode_num_accepted_tokens_per_pos_total": dict(per_pos),
         "ray_specpipe_rows_errored_total": dict(collections.Counter(e["reason"] for e in run["errors"])),
         "ray_specpipe_request_success_total": dict(collections.Counter(x["finish_reason"] for x in c)),
+        "ray_specpipe_prefix_cache_queries_total": {None: sum(x["prompt_tokens"] for x in c)},
+        "ray_specpipe_prefix_cache_hits_total": {None: summary["prompt_tokens_reused"]},
     }
     # a Ray counter exists from its first increment (Ray refuses inc(0)): zeros are absent series
     return {name: {k: v for k, v in values.items() if v} for name, values in expected.items()}
@@ -210,6 +214,9 @@ def test_live_metrics_scraped_during_and_after_a_job(tiny_model_dir, noisy_draft
     accepted = expected["ray_specpipe_spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted[None] < expected["ray_specpipe_spec_decode_num_draft_tokens_total"][None]
     assert len(expected["ray_specpipe_rows_errored_total"]) == 2
+    # the rows repeat "alpha beta gamma delta": prefix reuse copies some of their prompt KV
+    assert summary["prompt_tokens"] == expected["ray_specpipe_prefix_cache_queries_total"][None]
+    assert 0 < summary["prompt_tokens_reused"] < summary["prompt_tokens"]
     deadline, got = time.monotonic() + 15, None
     while time.monotonic() < deadline:                   # the export lags by the report interval
         got = _totals(scrape(port, run_id), expected)

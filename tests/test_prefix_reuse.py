@@ -5,6 +5,7 @@ another), checked against Hugging Face greedy decoding and against the engine wi
 import random
 
 import pytest
+import torch
 
 from conftest import greedy_reference, make_engine, run_requests, top2_gap
 from pipeline.engine import SamplingParams
@@ -135,6 +136,10 @@ def test_reuse_keeps_greedy_output_and_skips_the_shared_positions(target_model, 
         assert reused >= 12 * 30, reused
     # every reused position is one the target did not forward, and nothing else changed
     assert off.target.num_forward_tokens - on.target.num_forward_tokens == reused
+    # each completion says how many of its prompt positions were copied (the job summary's sum)
+    assert sum(c.prompt_tokens_reused for c in done_on.values()) == reused
+    assert all(c.prompt_tokens_reused < c.prompt_len for c in done_on.values())
+    assert not any(c.prompt_tokens_reused for c in done_off.values())
     for i, (prompt, ref) in enumerate(zip(prompts, references)):
         out = done_on[str(i)].output_ids
         assert out == done_off[str(i)].output_ids, f"prompt {i}: reuse changed the output"
@@ -156,6 +161,64 @@ def test_reuse_keeps_sampled_output(target_model, draft_model, prompts, kind):
     assert {k: c.output_ids for k, c in done_on.items()} == {k: c.output_ids for k, c in done_off.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["draft", "hybrid"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_the_draft_model_reuses_the_prefix_too(target_model, draft_model, prompts, kind, batch_size):
+    """Where the target copies a prompt prefix, the draft model copies its own KV of it (from the
+    donor slot's holder, or in place from the slot's last holder): the draft forwards fewer tokens,
+    and every sequence's rounds (draft lengths, accepted counts) are exactly those with reuse off,
+    which a wrong copy (another prompt's KV) would change."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    runs = {}
+    for reuse in (True, False):
+        engine = make_engine(target_model, kind, draft_model, max_num_seqs=batch_size, max_model_len=128, g=3,
+                             prefix_reuse=reuse)
+        done, rounds = run_requests(engine, prompts, params, arrive_every=2, seeds=list(range(len(prompts))))
+        per_seq = {}
+        for r in rounds:
+            per_seq.setdefault(r.request_id, []).append((r.draft_len, r.accepted))
+        runs[reuse] = (engine.drafter.draft_runner.num_forward_tokens, done, per_seq)
+    (fwd_on, done_on, rounds_on), (fwd_off, done_off, rounds_off) = runs[True], runs[False]
+    target_reused = sum(c.prompt_tokens_reused for c in done_on.values())
+    saved = fwd_off - fwd_on
+    assert 0 < saved <= target_reused, (saved, target_reused)
+    if batch_size == 4:
+        assert saved >= 12 * 30, saved
+    assert {k: c.output_ids for k, c in done_on.items()} == {k: c.output_ids for k, c in done_off.items()}
+    assert rounds_on == rounds_off
+
+
+def test_draft_copies_only_what_its_store_holds_for_the_donor(draft_model):
+    """DraftModelDrafter.reuse_prefix caps the copy at the prompt positions of draft KV the donor
+    slot holds: its live holder's (lazy drafting may have computed few), or in place what the last
+    holder left; the copied positions are the donor's, bitwise."""
+    from pipeline.engine import DraftModelDrafter, ModelRunner
+    from pipeline.engine.request import Sequence
+    drafter = DraftModelDrafter(ModelRunner(draft_model, 3, 64, pack_linear=False))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt = list(range(3, 33))
+    seqs = [Sequence(f"s{i}", list(prompt), params, 0, slot=i) for i in range(3)]
+    for seq in seqs[:2]:
+        drafter.reuse_prefix(seq, None, 0)
+    drafter.prefill([(seqs[0], 12), (seqs[1], 20)])               # the live holders' draft KV: 12 and 20
+    drafter.reuse_prefix(seqs[2], 0, 25)                         # the target copies 25; the draft holds 12
+    assert drafter.num_computed(seqs[2]) == 12
+    keys = drafter.runner.cache.keys[0]
+    assert torch.equal(keys[2, :, :12], keys[0, :, :12]) and keys[2, :, :12].any() and not keys[2, :, 12:].any()
+    drafter.release(seqs[1])                                     # leaves 20 positions in slot 1
+    again = Sequence("s3", list(prompt), params, 0, slot=1)
+    drafter.reuse_prefix(again, 1, 25)                           # in place: what s1 left
+    assert drafter.num_computed(again) == 20
+    drafter.release(again)                                       # left nothing new of its own: 20
+    other = Sequence("s4", list(prompt), params, 0, slot=1)
+    drafter.reuse_prefix(other, None, 0)                         # nothing reused: the slot's old KV is void
+    drafter.release(other)
+    last = Sequence("s5", list(prompt), params, 0, slot=1)
+    drafter.reuse_prefix(last, 1, 25)
+    assert drafter.num_computed(last) == 0
+
+
 def test_reset_prefix_cache_forgets_held_prefixes(target_model):
     """After reset_prefix_cache a prompt that a finished sequence's slot still holds is computed again
     (forwarded tokens say so); resetting while a request runs is refused."""
@@ -164,9 +227,9 @@ def test_reset_prefix_cache_forgets_held_prefixes(target_model):
     params = SamplingParams(max_tokens=4, temperature=0)
     run_requests(engine, [prompt], params, ids=["a"])
     before = engine.target.num_forward_tokens
-    run_requests(engine, [prompt], params, ids=["b"])              # reuses "a"'s prompt KV
+    done, _ = run_requests(engine, [prompt], params, ids=["b"])    # reuses "a"'s prompt KV
     reused_run = engine.target.num_forward_tokens - before
-    assert engine.prefixes.num_reused == len(prompt) - 1
+    assert engine.prefixes.num_reused == done["b"].prompt_tokens_reused == len(prompt) - 1
     engine.reset_prefix_cache()
     before = engine.target.num_forward_tokens
     run_requests(engine, [prompt], params, ids=["c"])

@@ -13,6 +13,8 @@ prefixes `ray_` on export and counters gain `_total`, as vLLM's do through prome
     ray_specpipe_request_success_total                   counter  finished_reason  vllm:request_success
     ray_specpipe_num_requests_running                    gauge                     vllm:num_requests_running
     ray_specpipe_num_requests_waiting                    gauge                     vllm:num_requests_waiting
+    ray_specpipe_prefix_cache_queries_total              counter                   vllm:prefix_cache_queries
+    ray_specpipe_prefix_cache_hits_total                 counter                   vllm:prefix_cache_hits
     ray_specpipe_rounds_total                            counter                   (none: every round, drafted or not)
     ray_specpipe_generation_tokens_per_s                 gauge                     (none: emitted tokens/s, last ~10 s)
     ray_specpipe_units_committed_total                   counter                   (none)
@@ -23,6 +25,8 @@ SessionName ...); no per-request label, so cardinality is bounded by workers x d
 finish/error reasons. As in vLLM, a "draft" is a round whose draft was not empty, and per-position
 counts are of accepted draft tokens at each draft position (0-based), so they sum to the accepted
 tokens. Acceptance rate: rate(accepted_tokens) / rate(draft_tokens).
+The prefix-cache pair counts prompt tokens when a row finishes (vLLM counts when it schedules):
+the hit rate of engine.prefix_reuse is rate(prefix_cache_hits) / rate(prefix_cache_queries).
 
 Updates cost plain-Python additions per engine step; the Ray metric objects are touched at most
 once per `flush_every_s`, and on every unit commit (before the driver hears of it, so a finished
@@ -50,6 +54,8 @@ COUNTERS = {   # name -> (description, extra tag key or None)
     "spec_decode_num_accepted_tokens_per_pos": ("Draft tokens accepted, by draft position.", "position"),
     "generation_tokens": ("Tokens emitted (committed to outputs).", None),
     "request_success": ("Rows completed, by finish reason.", "finished_reason"),
+    "prefix_cache_queries": ("Prompt tokens of finished rows (prefix reuse looked them up).", None),
+    "prefix_cache_hits": ("Prompt tokens whose KV was copied from a slot, not computed.", None),
     "rounds": ("Decoding rounds (one per running sequence per engine step).", None),
     "units_committed": ("Units committed.", None),
     "rows_errored": ("Input rows that could not run, by reason.", "reason"),
@@ -82,6 +88,8 @@ class Tally:
                         c["spec_decode_num_accepted_tokens_per_pos", str(pos)] += 1
         for done in finished:
             c["request_success", done.finish_reason] += 1
+            c["prefix_cache_queries", None] += done.prompt_len
+            c["prefix_cache_hits", None] += done.prompt_tokens_reused
         self.running, self.waiting = num_running, num_waiting
 
     def take(self) -> collections.Counter:

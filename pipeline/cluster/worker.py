@@ -42,6 +42,7 @@ class _UnitState:
     rounds: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     num_rows: int = 0
+    prompt_tokens_reused: int = 0                     # of its finished rows (prefix reuse; not a column)
     started: float = field(default_factory=time.time)
     failure: BaseException | None = None              # reading its rows failed: the unit fails, the worker lives
 
@@ -218,6 +219,7 @@ class GenerationWorker:
         for c in out.finished:
             state = owner[c.request_id]
             index, queued = state.pending.pop(c.request_id)
+            state.prompt_tokens_reused += c.prompt_tokens_reused
             state.completions.append({**self._completion_row(c, state.unit, index, time.perf_counter() - queued),
                                       **state.passthrough.pop(c.request_id)})
             self._stats["rows"] += 1
@@ -260,6 +262,8 @@ class GenerationWorker:
                       "tokens": sum(c["completion_tokens"] for c in state.completions),
                       "draft_tokens": sum(c["draft_tokens"] for c in state.completions),
                       "accepted_tokens": sum(c["accepted_tokens"] for c in state.completions),
+                      "prompt_tokens": sum(c["prompt_tokens"] for c in state.completions),
+                      "prompt_tokens_reused": state.prompt_tokens_reused,
                       "rounds": len(state.rounds), "worker": self.name,
                       "error_reasons": dict(collections.Counter(e["reason"] for e in state.errors)), "source_file": unit.file,
                       "start": unit.start, "stop": unit.stop, "wall_s": round(time.time() - state.started, 3),

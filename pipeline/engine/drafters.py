@@ -74,6 +74,12 @@ class Drafter(Protocol):
     def prefill(self, chunks: list[Chunk]) -> None:
         """KV for the prompt chunks (seq, n) the target prefills this step (eager draft prefill)."""
 
+    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
+        """`seq` (just admitted to seq.slot, nothing computed) starts with the target's KV of its
+        prompt positions [0, n) copied from slot `donor` (seq.slot: left in place by the slot's last
+        holder; None or n = 0: nothing reused). Called once per admitted sequence, before any of its
+        prefill, when the engine reuses prefixes; a drafter with its own KV may do the same."""
+
     def catch_up_lag(self, seq: Sequence) -> int:
         """Draft KV positions to prefill before `seq` can draft (0: none needed); the adaptive
         policy weighs it against what drafting would save."""
@@ -99,6 +105,9 @@ class FreeDrafter:
     draft_runner = None
 
     def prefill(self, chunks: list[Chunk]) -> None:
+        pass
+
+    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
         pass
 
     def catch_up_lag(self, seq: Sequence) -> int:
@@ -173,7 +182,11 @@ def _uniforms(generators: list[torch.Generator], device) -> torch.Tensor:
 class DraftModelDrafter:
     """A draft model over its own slot KV store (the sequence's slot). Owns each running sequence's
     draft KV length: it follows the committed history, lags it after a round by at most 2 (a bonus
-    token), and is rolled back on commit (a length move)."""
+    token), and is rolled back on commit (a length move).
+
+    Prefix reuse: where the target copies a prompt prefix from a donor slot, the draft copies the
+    part of it its own store holds for the donor's prompt (its holder's draft KV, or what the last
+    holder left when it finished), so a shared system prompt is computed once by the draft too."""
     kind = "draft"
     is_free = False
 
@@ -182,6 +195,8 @@ class DraftModelDrafter:
             raise ValueError(f"draft_sample_method: expected 'greedy' or 'probabilistic', got {sample_method!r}")
         self.runner, self.sample_method = runner, sample_method
         self._computed: dict[Sequence, int] = {}      # draft positions with KV, per sequence holding a slot
+        self._holder: dict[int, Sequence] = {}        # slot -> the sequence holding it (prefix reuse only)
+        self._left: dict[int, int] = {}               # slot -> prompt positions of draft KV its last holder left
 
     @property
     def draft_runner(self) -> ModelRunner:
@@ -224,7 +239,31 @@ class DraftModelDrafter:
                 self._computed[seq] = min(self._computed[seq], seq.num_tokens - 1)
 
     def release(self, seq: Sequence) -> None:
+        self._left[seq.slot] = self._prompt_held(seq)
+        if self._holder.get(seq.slot) is seq:
+            del self._holder[seq.slot]
         self._computed.pop(seq, None)
+
+    def _prompt_held(self, seq: Sequence) -> int:
+        return min(self.num_computed(seq), len(seq.prompt_ids))
+
+    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
+        """Copy draft KV [0, m) from the donor slot, m = n capped by the prompt positions the draft
+        store holds there for the same prompt: its holder's, or in place what the slot's last holder
+        left (the target's index only matches a slot against its current holder, or in place)."""
+        if donor is None or n == 0:
+            m = 0
+        elif donor == seq.slot:
+            m = min(n, self._left.get(donor, 0))
+        else:
+            holder = self._holder.get(donor)
+            m = min(n, self._prompt_held(holder) if holder is not None else self._left.get(donor, 0))
+            if m:
+                self.runner.copy_prefix(donor, seq.slot, m)
+        self._left.pop(seq.slot, None)
+        self._holder[seq.slot] = seq
+        if m:
+            self._computed[seq] = m
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
                 generators: list[torch.Generator]) -> DraftBatch:
@@ -282,6 +321,10 @@ class HybridDrafter:
     def prefill(self, chunks: list[Chunk]) -> None:
         self.first.prefill(chunks)
         self.model.prefill(chunks)
+
+    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
+        self.first.reuse_prefix(seq, donor, n)
+        self.model.reuse_prefix(seq, donor, n)
 
     def catch_up_lag(self, seq: Sequence) -> int:
         return self.model.catch_up_lag(seq)

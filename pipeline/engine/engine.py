@@ -111,6 +111,7 @@ class Completion:
     num_rounds: int
     num_draft_tokens: int
     num_accepted: int
+    prompt_tokens_reused: int = 0    # prompt positions whose KV was copied from a slot (prefix reuse)
 
 
 @dataclass
@@ -267,7 +268,8 @@ class SpecEngine:
                 donor, n = plan
                 if n and donor != seq.slot:
                     self.target.copy_prefix(donor, seq.slot, n)
-                seq.num_computed = n
+                seq.num_computed = seq.num_prefix_reused = n
+                self.drafter.reuse_prefix(seq, donor, n)
 
     def _draft(self, batch: list[Sequence]) -> tuple[DraftBatch, float, float]:
         """Draft lengths, the lazy draft catch-up, the proposal. Returns the drafts, the phase's
@@ -363,7 +365,7 @@ class SpecEngine:
         if text is None and self.decode is not None:
             text = self.decode(seq.output_ids)
         return Completion(seq.request_id, len(seq.prompt_ids), list(seq.output_ids), text, seq.finish_reason,
-                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted)
+                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted, seq.num_prefix_reused)
 
     def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
         """Step until every queued request is finished; returns completions in finishing order."""

@@ -107,6 +107,7 @@ class Sequence:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    num_prefix_reused: int = 0       # prompt positions whose target KV was copied, not computed (prefix.py)
     rng: object = None               # engine-owned per-sequence generators
     _stop_scan_from: int = 0         # stop-string search resumes here (chars)
 
