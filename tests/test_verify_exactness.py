@@ -48,9 +48,9 @@ def chi2_pvalue(samples: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(stats.chisquare(counts[support], expected).pvalue)
 
 
-def wrong_verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u, is_onehot=None):
+def wrong_verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u):
     """Rejection with min(1, p/q) but then resampling from p instead of norm([p - q]+)."""
-    out = verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u, is_onehot)
+    out = verify(draft_ids, cu, target_probs, draft_probs, is_greedy, acc_u, smp_u)
     rejected = out.num_accepted < (cu[1:] - cu[:-1])
     rows = cu[:-1] + torch.arange(len(cu) - 1) + out.num_accepted
     resampled = sample_from_probs(target_probs[rows], smp_u)

@@ -36,21 +36,20 @@ class DraftBatch:
     draft_ids: torch.Tensor              # [num_draft_tokens] int64, flat
     cu_num_draft: torch.Tensor           # [num_seqs + 1] int64
     draft_probs: torch.Tensor | SparseProbs | None   # q: [num_draft_tokens, vocab] dense, sparse, or None: all one-hot
-    is_onehot: torch.Tensor | None       # [num_draft_tokens] bool, for mixed batches (hybrid)
     proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
 
     @classmethod
-    def from_lists(cls, proposals: list[list[int]], device, probs=None, is_onehot=None) -> "DraftBatch":
+    def from_lists(cls, proposals: list[list[int]], device, probs=None) -> "DraftBatch":
         num = [len(p) for p in proposals]
         flat = [t for p in proposals for t in p]
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
-        return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs, is_onehot,
+        return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs,
                    [list(p) for p in proposals])
 
     def to(self, device) -> "DraftBatch":
         move = lambda t: None if t is None else t.to(device)
         return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
-                          move(self.is_onehot), self.proposals)
+                          self.proposals)
 
     def tokens(self, b: int) -> list[int]:
         return self.proposals[b]
@@ -276,7 +275,7 @@ class DraftModelDrafter:
             self._draft_step([seqs[b] for b in active], [proposals[b] for b in active],
                              [probs[b] for b in active], [generators[b] for b in active], token_only)
         flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
-        return DraftBatch.from_lists(proposals, self.runner.device, flat_probs, None)
+        return DraftBatch.from_lists(proposals, self.runner.device, flat_probs)
 
     def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list],
                     generators: list[torch.Generator], token_only: bool) -> None:
@@ -376,5 +375,5 @@ class HybridDrafter:
                             device=device)
         probs[model_rows] = sub.draft_probs.to(device)
         probs[first_rows[fq.row], fq.token] = fq.prob.to(probs.dtype)
-        batch.draft_probs, batch.is_onehot = probs, None
+        batch.draft_probs = probs
         return batch

@@ -318,7 +318,7 @@ class SpecEngine:
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
         is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
         return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
-                      accept_u, sample_u, drafts.is_onehot)
+                      accept_u, sample_u)
 
     def _verify_uniforms(self, batch, num_draft, device):
         """g + 1 uniforms per sampled sequence per round, from its own verify generator."""

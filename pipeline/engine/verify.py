@@ -127,7 +127,6 @@ def verify(
     is_greedy: torch.Tensor,          # [num_seqs] bool
     accept_uniforms: torch.Tensor,    # [num_draft_tokens] in [0, 1)
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
-    is_onehot: torch.Tensor | None = None,  # [num_draft_tokens] bool: row is token-only even if draft_probs given
 ) -> VerifyOutput:
     """Apply the greedy or rejection-sampling rule to every sequence of a ragged batch."""
     device = target_probs.device
@@ -137,9 +136,7 @@ def verify(
 
     p_rows = target_probs[target_row]                                   # [num_draft_tokens, vocab]
     p_y = p_rows.gather(1, draft_ids.unsqueeze(1)).squeeze(1)           # [num_draft_tokens]
-    onehot = _onehot_mask(draft_probs, is_onehot, draft_ids)
-    q_y = torch.ones_like(p_y) if draft_probs is None else torch.where(
-        onehot, torch.ones_like(p_y), _q_at(draft_probs, draft_ids).to(p_y.dtype))
+    q_y = torch.ones_like(p_y) if draft_probs is None else _q_at(draft_probs, draft_ids).to(p_y.dtype)
     # u < min(1, p/q)  <=>  u * q < p  (q > 0 for a proposed token)
     sampled_accept = accept_uniforms.to(p_y.dtype) * q_y < p_y
     greedy_accept = draft_ids == p_rows.argmax(dim=-1)
@@ -157,7 +154,7 @@ def verify(
         final_dist = final_p.clone()
         rej_seq = rejected.nonzero().squeeze(1)
         rej_draft_row = cu_num_draft[rej_seq] + num_accepted[rej_seq]
-        q_rows = _q_rows(draft_probs, onehot, draft_ids, rej_draft_row, final_p.shape[-1], final_p.dtype)
+        q_rows = _q_rows(draft_probs, draft_ids, rej_draft_row, final_p.shape[-1], final_p.dtype)
         residual = (final_p[rej_seq] - q_rows).clamp_(min=0)
         # p == q exactly makes rejection impossible; guard the 0/0 anyway.
         empty = residual.sum(dim=-1) <= 0
@@ -197,26 +194,18 @@ def _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok) -> 
     return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted)
 
 
-def _onehot_mask(draft_probs, is_onehot, draft_ids) -> torch.Tensor:
-    if draft_probs is None:
-        return torch.ones_like(draft_ids, dtype=torch.bool)
-    if is_onehot is None:
-        return torch.zeros_like(draft_ids, dtype=torch.bool)
-    return is_onehot
-
-
 def _q_at(draft_probs, draft_ids) -> torch.Tensor:
     if isinstance(draft_probs, SparseProbs):
         return draft_probs.at(draft_ids)
     return draft_probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
 
 
-def _q_rows(draft_probs, onehot, draft_ids, rows, vocab, dtype) -> torch.Tensor:
-    """q for the given draft rows as dense [len(rows), vocab]; one-hot rows built on the fly."""
+def _q_rows(draft_probs, draft_ids, rows, vocab, dtype) -> torch.Tensor:
+    """q for the given draft rows as dense [len(rows), vocab] (one-hot rows built on the fly)."""
+    if isinstance(draft_probs, SparseProbs):
+        return draft_probs.dense(rows, len(draft_ids), vocab, dtype)
+    if draft_probs is not None:
+        return draft_probs[rows].to(dtype)
     dense = torch.zeros(len(rows), vocab, dtype=dtype, device=draft_ids.device)
     dense[torch.arange(len(rows), device=draft_ids.device), draft_ids[rows]] = 1.0
-    if draft_probs is None:
-        return dense
-    q = (draft_probs.dense(rows, len(draft_ids), vocab, dtype) if isinstance(draft_probs, SparseProbs)
-         else draft_probs[rows].to(dtype))
-    return torch.where(onehot[rows].unsqueeze(1), dense, q)
+    return dense
