@@ -183,7 +183,7 @@ def sample(model, prompt: list[int], eos: list[int], drafter, n: int, seed_base:
     return counts, first_round
 
 
-def wrong_q_rows(draft_probs, onehot, draft_ids, rows, vocab, dtype):
+def wrong_q_rows(draft_probs, draft_ids, rows, vocab, dtype):
     """Mutant: q = 0 in the residual, so a rejection resamples from p (the rejected token included)."""
     return torch.zeros(len(rows), vocab, dtype=dtype, device=draft_ids.device)
 
