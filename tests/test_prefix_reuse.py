@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import greedy_reference, make_engine, run_requests, top2_gap
-from pipeline.engine import SamplingParams
+from pipeline.engine import DraftModelDrafter, ModelRunner, SamplingParams
 from pipeline.engine.prefix import PrefixIndex, _bytes, common_prefix
+from pipeline.engine.request import Sequence
 
 MAX_NEW, NEAR_TIE = 16, 1e-3
 
@@ -193,8 +194,6 @@ def test_draft_copies_only_what_its_store_holds_for_the_donor(draft_model):
     """DraftModelDrafter.reuse_prefix caps the copy at the prompt positions of draft KV the donor
     slot holds: its live holder's (lazy drafting may have computed few), or in place what the last
     holder left; the copied positions are the donor's, bitwise."""
-    from pipeline.engine import DraftModelDrafter, ModelRunner
-    from pipeline.engine.request import Sequence
     drafter = DraftModelDrafter(ModelRunner(draft_model, 3, 64, pack_linear=False))
     params = SamplingParams(max_tokens=4, temperature=0)
     prompt = list(range(3, 33))
