@@ -63,6 +63,12 @@ def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = 
         configs += [{"name": f"ours_none_b{batch}", "n": n_all, "args": eng("none", batch), "ref": True},
                     {"name": f"ours_adaptive_{spec}_b{batch}", "n": n_all, "args": eng(spec, batch, "--adaptive"),
                      "base": f"ours_none_b{batch}"}]
+    if model == "qwen":     # the draft model in bf16 beside the target in the run's dtype (models.draft_dtype)
+        for batch, n, name in ((all_seqs, n_all, "all"), (1, n_b1, "b1")):
+            configs += [{"name": f"ours_draft_bf16draft_{name}", "n": n, "base": f"ours_none_{name}",
+                         "args": eng("draft", batch, "--calibrate", "--draft-dtype", "bfloat16")},
+                        {"name": f"ours_adaptive_draft_bf16draft_{name}", "n": n, "base": f"ours_none_{name}",
+                         "args": eng("draft", batch, "--adaptive", "--draft-dtype", "bfloat16")}]
     if VLLM_PY.exists():    # one process per mode runs both batch settings, all repeats
         for mode, base in (("plain", None), (spec, "plain")):
             for batch, n in (("all", n_all), ("b1", n_b1)):

@@ -45,7 +45,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     target, draft = MODELS[args.model]
     drafter = args.drafter
     models = ModelsConfig(target=target, draft=draft if drafter in ("draft", "hybrid") else None,
-                          drafter=drafter, dtype=args.dtype, device=args.device,
+                          drafter=drafter, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                           draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                           suffix=SuffixSection(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", help="auto (this machine decides: pipeline/hardware.py) "
                     "| float32 | bfloat16 | float16")
+    ap.add_argument("--draft-dtype", default="same", help="models.draft_dtype: same (as --dtype) | auto | "
+                    "float32 | bfloat16 | float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id)")
@@ -142,7 +144,8 @@ def main() -> None:
     prompts = json.load(open(args.prompts))
     res = run_engine(args, prompts) if args.mode == "engine" else run_hf(args, prompts)
     res.update({"mode": args.mode, "drafter": args.drafter, "adaptive": args.adaptive, "batch": args.batch,
-                "model": args.model, "dtype": args.dtype, "dtype_reason": dtype.reason, "num_prompts": len(prompts),
+                "model": args.model, "dtype": args.dtype, "dtype_reason": dtype.reason,
+                "draft_dtype": args.draft_dtype, "num_prompts": len(prompts),
                 "peak_rss_mb": peak_rss_mb(), "end_rss_mb": current_rss_mb()})
     with open(args.out, "w") as f:
         json.dump(res, f)

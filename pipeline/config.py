@@ -28,6 +28,7 @@ from .io.storage import RetryPolicy
 DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
 HYBRID_PROPOSERS = ("ngram", "suffix")
 DTYPES = (AUTO, *EXPLICIT_DTYPES)
+SAME = "same"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -68,6 +69,11 @@ class ModelsConfig:
     suffix: SuffixSection = field(default_factory=SuffixSection)   # drafter suffix (or hybrid's first part)
     dtype: str = AUTO                        # auto (each worker picks for its hardware: pipeline/hardware.py)
                                              # | float32 | bfloat16 | float16
+    draft_dtype: str = SAME                  # the draft model's: same (as the target's) | auto | float32 |
+                                             # bfloat16 | float16. The draft's precision changes which tokens
+                                             # are proposed, never the output distribution (the verifier
+                                             # corrects against the draft's own q): a bf16 draft beside an
+                                             # fp32 target halves the draft's cost where bf16 is fast
     device: str = "cpu"                      # cpu | cuda | cuda:N
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
 
@@ -76,6 +82,7 @@ class ModelsConfig:
         _one_of("models.hybrid_proposer", self.hybrid_proposer, HYBRID_PROPOSERS)
         _one_of("models.draft_sample_method", self.draft_sample_method, ("greedy", "probabilistic"))
         _one_of("models.dtype", self.dtype, DTYPES)
+        _one_of("models.draft_dtype", self.draft_dtype, (SAME, *DTYPES))
         if self.drafter in ("draft", "hybrid") and not self.draft:
             raise ConfigError(f"models.draft: required when models.drafter={self.drafter!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -369,6 +376,8 @@ def hashed_tree(cfg: JobConfig) -> dict:
     models = tree["models"]                           # likewise for runs without the suffix drafter
     if models["hybrid_proposer"] == "ngram":
         models.pop("hybrid_proposer")
+    if models["draft_dtype"] == SAME or cfg.models.drafter not in ("draft", "hybrid"):
+        models.pop("draft_dtype")
     if not uses_suffix(cfg.models):
         models.pop("suffix")
     elif models["suffix"]["sample_method"] == "greedy":   # the rule before the key existed

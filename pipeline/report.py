@@ -77,10 +77,12 @@ def model_lines(workers: list[dict]) -> list[str]:
     `models.dtype: auto` each machine chooses, so a mixed cluster shows every choice."""
     groups: dict[tuple, list[str]] = {}
     for w in workers:
-        key = (w.get("target"), w.get("draft"), w.get("dtype"), w.get("dtype_reason"))
+        key = (w.get("target"), w.get("draft"), w.get("dtype"), w.get("dtype_reason"), w.get("draft_dtype"))
         groups.setdefault(key, []).append(str(w.get("worker")))
-    return [f"models: {target}" + (f" + draft {draft}" if draft else "") + f", dtype {dtype} ({reason})"
-            f" on {', '.join(names)}" for (target, draft, dtype, reason), names in groups.items()]
+    return [f"models: {target}" + (f" + draft {draft}" if draft else "")
+            + (f" (draft in {draft_dtype})" if draft and draft_dtype and draft_dtype != dtype else "")
+            + f", dtype {dtype} ({reason}) on {', '.join(names)}"
+            for (target, draft, dtype, reason, draft_dtype), names in groups.items()]
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import EngineSection, ModelsConfig
+from .config import SAME, EngineSection, ModelsConfig
 from .engine import DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine, SuffixDrafter
 from .hardware import DtypeChoice, resolve_dtype
 from .models import ModelSpec, check_vocab_compatible, load_model, model_id, reject_unsupported
@@ -20,6 +20,7 @@ class LoadedEngine:
     target_id: str
     draft_id: str | None
     dtype: DtypeChoice           # what `models.dtype` resolved to on this machine, and why
+    draft_dtype: DtypeChoice | None = None   # likewise `models.draft_dtype`, with a draft model
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -31,8 +32,16 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def resolve_draft_dtype(models: ModelsConfig, target: DtypeChoice) -> DtypeChoice:
+    """The draft model's dtype: the target's for `same`, else resolved like the target's."""
+    if models.draft_dtype == SAME:
+        return DtypeChoice(target.dtype, f"same as the target's: {target.reason}")
+    return resolve_dtype(models.draft_dtype, models.device)
+
+
 def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngine:
-    """Load target (+ draft) in the dtype `models.dtype` resolves to on this machine's hardware."""
+    """Load target (+ draft) in the dtypes `models.dtype` / `models.draft_dtype` resolve to on this
+    machine's hardware."""
     dtype = resolve_dtype(models.dtype, models.device)
     spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code)
     target, tokenizer = load_model(spec)
@@ -44,9 +53,10 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
                            engine_cfg.cpu_attention, engine_cfg.cpu_linear, engine_cfg.cpu_fused,
                            engine_cfg.cpu_decoder)
 
-    drafter, draft_id = None, None
+    drafter, draft_id, draft_dtype = None, None, None
     if models.drafter in ("draft", "hybrid"):
-        dspec = ModelSpec(models.draft, dtype.dtype, models.device, models.trust_remote_code)
+        draft_dtype = resolve_draft_dtype(models, dtype)
+        dspec = ModelSpec(models.draft, draft_dtype.dtype, models.device, models.trust_remote_code)
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, max_len)
@@ -58,7 +68,7 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
     engine = SpecEngine(runner(target), drafter,
                         engine_cfg.to_engine_config(), eos_token_ids=eos_ids(target, tokenizer),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype)
+    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype)
 
 
 def free_drafter(models: ModelsConfig, kind: str) -> NgramDrafter | SuffixDrafter:

@@ -38,8 +38,8 @@ class ScriptedDrafter:
     def prefill(self, chunks) -> None:
         self.calls["prefill"].append([(seq.request_id, n) for seq, n in chunks])
 
-    def reuse_prefix(self, seq, donor, n) -> None:
-        self.calls["reuse_prefix"].append((seq.request_id, n))
+    def reuse_prefix(self, seq, reuse) -> None:
+        self.calls["reuse_prefix"].append((seq.request_id, reuse.num_tokens))
 
     def catch_up_lag(self, seq) -> int:
         return 0

@@ -86,3 +86,59 @@ def test_summary_names_each_dtype_choice():
                {"worker": "w2", "target": "m", "draft": "d", "dtype": "bfloat16", "dtype_reason": "auto: amx_bf16"}]
     assert model_lines(workers) == ["models: m, dtype float32 (auto: x) on w0, w1",
                                     "models: m + draft d, dtype bfloat16 (auto: amx_bf16) on w2"]
+
+
+# ---- models.draft_dtype: the draft model's own dtype ----------------------------------------------
+def test_draft_dtype_defaults_to_the_targets_and_hashes_only_when_it_matters():
+    from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
+    assert ModelsConfig().draft_dtype == "same"
+    with pytest.raises(ConfigError, match=r"models\.draft_dtype.*'fp8'"):
+        ModelsConfig(draft_dtype="fp8")
+    draft = ["models.drafter=draft", "models.draft=x"]
+    same = load_config("configs/demo.yaml", draft)
+    bf16 = load_config("configs/demo.yaml", [*draft, "models.draft_dtype=bfloat16"])
+    assert "draft_dtype" not in hashed_tree(same)["models"]           # runs from before the key resume
+    assert hashed_tree(bf16)["models"]["draft_dtype"] == "bfloat16"     # other proposals: another run
+    assert config_hash(same) != config_hash(bf16)
+    ngram = load_config("configs/demo.yaml", ["models.draft_dtype=bfloat16"])   # no draft model: no effect
+    assert config_hash(ngram) == config_hash(load_config("configs/demo.yaml"))
+
+
+def test_resolve_draft_dtype():
+    from pipeline.runtime import resolve_draft_dtype
+    target = DtypeChoice("float32", "auto: CPU has no avx512_bf16/amx_bf16")
+    assert resolve_draft_dtype(ModelsConfig(), target) == DtypeChoice(
+        "float32", "same as the target's: auto: CPU has no avx512_bf16/amx_bf16")
+    assert resolve_draft_dtype(ModelsConfig(draft_dtype="bfloat16"), target) == DtypeChoice("bfloat16", "configured")
+    assert resolve_draft_dtype(ModelsConfig(draft_dtype="auto"), target) == resolve_dtype("auto", "cpu")
+
+
+def test_a_bf16_draft_beside_an_fp32_target_keeps_greedy_output(tiny_model_dir):
+    """The draft loads in its own dtype, the target in its own, and greedy output stays the target's
+    (the verifier never trusts the draft's precision); drafts are still accepted."""
+    from conftest import run_requests
+    from pipeline.engine import SamplingParams
+    from pipeline.runtime import build_engine
+    section = EngineSection(max_num_seqs=3, max_model_len=96)
+    spec = build_engine(ModelsConfig(target=str(tiny_model_dir), draft=str(tiny_model_dir), drafter="draft",
+                                     dtype="float32", draft_dtype="bfloat16"), section)
+    plain = build_engine(ModelsConfig(target=str(tiny_model_dir), drafter="none", dtype="float32"), section)
+    assert spec.dtype == DtypeChoice("float32", "configured")
+    assert spec.draft_dtype == DtypeChoice("bfloat16", "configured")
+    assert spec.engine.target.dtype == torch.float32
+    assert spec.engine.drafter.draft_runner.dtype == torch.bfloat16
+    prompts = [list(range(40 + 7 * i, 60 + 9 * i)) for i in range(5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    done, rounds = run_requests(spec.engine, prompts, params)
+    ref, _ = run_requests(plain.engine, prompts, params)
+    assert {k: c.output_ids for k, c in done.items()} == {k: c.output_ids for k, c in ref.items()}
+    assert sum(r.accepted for r in rounds) > 0 and sum(r.draft_len - r.accepted for r in rounds) > 0
+
+
+def test_summary_names_a_draft_in_another_dtype():
+    workers = [{"worker": "w0", "target": "m", "draft": "d", "dtype": "float32", "dtype_reason": "configured",
+                "draft_dtype": "bfloat16"},
+               {"worker": "w1", "target": "m", "draft": "d", "dtype": "float32", "dtype_reason": "configured",
+                "draft_dtype": "float32"}]
+    assert model_lines(workers) == ["models: m + draft d (draft in bfloat16), dtype float32 (configured) on w0",
+                                    "models: m + draft d, dtype float32 (configured) on w1"]

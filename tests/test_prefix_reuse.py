@@ -9,7 +9,7 @@ import torch
 
 from conftest import greedy_reference, make_engine, run_requests, top2_gap
 from pipeline.engine import DraftModelDrafter, ModelRunner, SamplingParams
-from pipeline.engine.prefix import PrefixIndex, _bytes, common_prefix
+from pipeline.engine.prefix import PrefixIndex, Reuse, _bytes, common_prefix
 from pipeline.engine.request import Sequence
 
 MAX_NEW, NEAR_TIE = 16, 1e-3
@@ -46,32 +46,32 @@ def test_index_picks_the_longest_valid_prefix_and_forgets_a_retaken_slot():
     index = PrefixIndex(min_tokens=3)
     base = list(range(100, 120))
     a = _seq(0, base + [1, 2, 3])
-    assert _admit(index, a) == (None, 0)                     # nothing held yet
+    assert _admit(index, a) == Reuse()                         # nothing held yet
     b = _seq(1, base + [7])
     assert _admit(index, b) is None                          # a is computing 20 shared positions: wait
     a.num_computed = 10
     assert index.plan(b) is None                             # still 10 short
     a.num_computed = len(a.prompt_ids) - 1
-    assert index.plan(b) == (0, 20) and index.num_waits == 2
+    assert index.plan(b) == Reuse(0, 20, a) and index.num_waits == 2
     b.num_computed = len(b.prompt_ids) - 1
     c = _seq(2, base + [1, 2, 3, 4])
-    assert _admit(index, c) == (0, 22)                       # the longer match: a's 22 computed positions
+    assert _admit(index, c) == Reuse(0, 22, a)                # the longer match: a's 22 computed positions
     c.num_computed = len(c.prompt_ids) - 1
     same = _seq(3, list(a.prompt_ids))
-    assert _admit(index, same) == (0, len(a.prompt_ids) - 1)   # the last prompt token is the round's input
+    assert _admit(index, same) == Reuse(0, len(a.prompt_ids) - 1, a)   # the last prompt token is the round's input
     index.release(a)                                         # a finished: slot 0 still holds its prompt
     a2 = _seq(0, base + [1, 2, 9])                           # the freed slot itself is the donor: no copy
-    assert _admit(index, a2) == (0, 22)
+    assert _admit(index, a2) == Reuse(0, 22, None)         # no live holder
     a2.num_computed = 20                                     # (a2 prefilled over slot 0 from here on)
     short = _seq(4, base[:2] + [5, 5])
-    assert _admit(index, short) == (None, 0)                 # 2 shared tokens < min_tokens
+    assert _admit(index, short) == Reuse()                    # 2 shared tokens < min_tokens
     index.release(a2)
     d = _seq(0, [9] * 30)                                    # slot 0 retaken by an unrelated prompt
-    assert _admit(index, d) == (None, 0)
+    assert _admit(index, d) == Reuse()
     d.num_computed = 29
     index.release(a2)                                        # a stale release does not touch d's entry
     e = _seq(5, base + [1, 2, 3])
-    assert _admit(index, e) == (2, 22)                       # slot 0's old prefix is gone; c still has it
+    assert _admit(index, e) == Reuse(2, 22, c)                 # slot 0's old prefix is gone; c still has it
     assert index.num_reused == 20 + 22 + 22 + 22 + 22
 
 
@@ -83,11 +83,11 @@ def test_waits_only_on_earlier_sequences():
     first, second = _seq(0, p + [1]), _seq(1, p + [2])
     index.admit(first)
     index.admit(second)
-    assert index.plan(first) == (None, 0)                    # second is later: first does not wait
+    assert index.plan(first) == Reuse()                        # second is later: first does not wait
     assert index.plan(second) is None
     first.num_computed = 25
     index.release(first)                                     # finished early (say, cancelled) at 25
-    assert index.plan(second) == (0, 25)
+    assert index.plan(second) == Reuse(0, 25, None)
 
 
 def shared_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
@@ -199,22 +199,22 @@ def test_draft_copies_only_what_its_store_holds_for_the_donor(draft_model):
     prompt = list(range(3, 33))
     seqs = [Sequence(f"s{i}", list(prompt), params, 0, slot=i) for i in range(3)]
     for seq in seqs[:2]:
-        drafter.reuse_prefix(seq, None, 0)
+        drafter.reuse_prefix(seq, Reuse())
     drafter.prefill([(seqs[0], 12), (seqs[1], 20)])               # the live holders' draft KV: 12 and 20
-    drafter.reuse_prefix(seqs[2], 0, 25)                         # the target copies 25; the draft holds 12
+    drafter.reuse_prefix(seqs[2], Reuse(0, 25, seqs[0]))         # the target copies 25; the draft holds 12
     assert drafter.num_computed(seqs[2]) == 12
     keys = drafter.runner.cache.keys[0]
     assert torch.equal(keys[2, :, :12], keys[0, :, :12]) and keys[2, :, :12].any() and not keys[2, :, 12:].any()
     drafter.release(seqs[1])                                     # leaves 20 positions in slot 1
     again = Sequence("s3", list(prompt), params, 0, slot=1)
-    drafter.reuse_prefix(again, 1, 25)                           # in place: what s1 left
+    drafter.reuse_prefix(again, Reuse(1, 25, None))              # in place: what s1 left
     assert drafter.num_computed(again) == 20
     drafter.release(again)                                       # left nothing new of its own: 20
     other = Sequence("s4", list(prompt), params, 0, slot=1)
-    drafter.reuse_prefix(other, None, 0)                         # nothing reused: the slot's old KV is void
+    drafter.reuse_prefix(other, Reuse())                         # nothing reused: the slot's old KV is void
     drafter.release(other)
     last = Sequence("s5", list(prompt), params, 0, slot=1)
-    drafter.reuse_prefix(last, 1, 25)
+    drafter.reuse_prefix(last, Reuse(1, 25, None))
     assert drafter.num_computed(last) == 0
 
 

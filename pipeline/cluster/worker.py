@@ -102,6 +102,7 @@ class GenerationWorker:
         threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
         return {"worker": self.name, "target": self.loaded.target_id, "draft": self.loaded.draft_id,
                 "dtype": self.loaded.dtype.dtype, "dtype_reason": self.loaded.dtype.reason,
+                "draft_dtype": self.loaded.draft_dtype.dtype if self.loaded.draft_dtype else None,
                 "load_s": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
 
     def run_unit(self, unit: Unit) -> dict:

@@ -25,6 +25,7 @@ import torch
 
 from .logits import row_probs
 from .prefill import Chunk, forward_history
+from .prefix import Reuse
 from .request import Sequence
 from .runner import ModelRunner
 from .verify import SparseProbs, sample_from_probs
@@ -73,11 +74,12 @@ class Drafter(Protocol):
     def prefill(self, chunks: list[Chunk]) -> None:
         """KV for the prompt chunks (seq, n) the target prefills this step (eager draft prefill)."""
 
-    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
         """`seq` (just admitted to seq.slot, nothing computed) starts with the target's KV of its
-        prompt positions [0, n) copied from slot `donor` (seq.slot: left in place by the slot's last
-        holder; None or n = 0: nothing reused). Called once per admitted sequence, before any of its
-        prefill, when the engine reuses prefixes; a drafter with its own KV may do the same."""
+        prompt positions [0, reuse.num_tokens) copied from slot reuse.slot (seq.slot: left in place by
+        the slot's last holder; num_tokens 0: nothing reused). Called once per admitted sequence,
+        before any of its prefill, when the engine reuses prefixes; a drafter with its own KV may do
+        the same."""
 
     def catch_up_lag(self, seq: Sequence) -> int:
         """Draft KV positions to prefill before `seq` can draft (0: none needed); the adaptive
@@ -106,7 +108,7 @@ class FreeDrafter:
     def prefill(self, chunks: list[Chunk]) -> None:
         pass
 
-    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
         pass
 
     def catch_up_lag(self, seq: Sequence) -> int:
@@ -194,7 +196,6 @@ class DraftModelDrafter:
             raise ValueError(f"draft_sample_method: expected 'greedy' or 'probabilistic', got {sample_method!r}")
         self.runner, self.sample_method = runner, sample_method
         self._computed: dict[Sequence, int] = {}      # draft positions with KV, per sequence holding a slot
-        self._holder: dict[int, Sequence] = {}        # slot -> the sequence holding it (prefix reuse only)
         self._left: dict[int, int] = {}               # slot -> prompt positions of draft KV its last holder left
 
     @property
@@ -239,28 +240,24 @@ class DraftModelDrafter:
 
     def release(self, seq: Sequence) -> None:
         self._left[seq.slot] = self._prompt_held(seq)
-        if self._holder.get(seq.slot) is seq:
-            del self._holder[seq.slot]
         self._computed.pop(seq, None)
 
     def _prompt_held(self, seq: Sequence) -> int:
         return min(self.num_computed(seq), len(seq.prompt_ids))
 
-    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
-        """Copy draft KV [0, m) from the donor slot, m = n capped by the prompt positions the draft
-        store holds there for the same prompt: its holder's, or in place what the slot's last holder
-        left (the target's index only matches a slot against its current holder, or in place)."""
-        if donor is None or n == 0:
-            m = 0
-        elif donor == seq.slot:
-            m = min(n, self._left.get(donor, 0))
-        else:
-            holder = self._holder.get(donor)
-            m = min(n, self._prompt_held(holder) if holder is not None else self._left.get(donor, 0))
-            if m:
-                self.runner.copy_prefix(donor, seq.slot, m)
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
+        """Copy draft KV [0, m) from the donor slot, m = the target's count capped by the prompt
+        positions the draft store holds there for the same prompt: the live holder's, or what the
+        slot's last holder left (the target's index matches a slot against its current holder, or
+        against a finished one's frozen prompt)."""
+        m = 0
+        if reuse.num_tokens:
+            held = (self._prompt_held(reuse.holder) if reuse.holder is not None
+                    else self._left.get(reuse.slot, 0))
+            m = min(reuse.num_tokens, held)
+            if m and reuse.slot != seq.slot:
+                self.runner.copy_prefix(reuse.slot, seq.slot, m)
         self._left.pop(seq.slot, None)
-        self._holder[seq.slot] = seq
         if m:
             self._computed[seq] = m
 
@@ -321,9 +318,9 @@ class HybridDrafter:
         self.first.prefill(chunks)
         self.model.prefill(chunks)
 
-    def reuse_prefix(self, seq: Sequence, donor: int | None, n: int) -> None:
-        self.first.reuse_prefix(seq, donor, n)
-        self.model.reuse_prefix(seq, donor, n)
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
+        self.first.reuse_prefix(seq, reuse)
+        self.model.reuse_prefix(seq, reuse)
 
     def catch_up_lag(self, seq: Sequence) -> int:
         return self.model.catch_up_lag(seq)

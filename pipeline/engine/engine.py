@@ -263,13 +263,12 @@ class SpecEngine:
         for seq in list(self.scheduler.prefilling):
             if self.prefixes.is_planned(seq):
                 continue
-            plan = self.prefixes.plan(seq)
-            if plan is not None:
-                donor, n = plan
-                if n and donor != seq.slot:
-                    self.target.copy_prefix(donor, seq.slot, n)
-                seq.num_computed = seq.num_prefix_reused = n
-                self.drafter.reuse_prefix(seq, donor, n)
+            reuse = self.prefixes.plan(seq)
+            if reuse is not None:
+                if reuse.num_tokens and reuse.slot != seq.slot:
+                    self.target.copy_prefix(reuse.slot, seq.slot, reuse.num_tokens)
+                seq.num_computed = seq.num_prefix_reused = reuse.num_tokens
+                self.drafter.reuse_prefix(seq, reuse)
 
     def _draft(self, batch: list[Sequence]) -> tuple[DraftBatch, float, float]:
         """Draft lengths, the lazy draft catch-up, the proposal. Returns the drafts, the phase's

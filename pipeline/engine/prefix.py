@@ -51,6 +51,17 @@ def common_prefix(a: bytes, b: bytes, limit: int) -> int:
     return lo
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """A plan's answer for one sequence: copy the target's KV of prompt positions [0, num_tokens) from
+    `slot` (the sequence's own slot: in place, nothing to copy). `holder` is the live sequence holding
+    that slot, or None where the slot's content is what its last holder left when it finished; a
+    drafter with its own KV store reads from it how much of that prefix it holds too."""
+    slot: int | None = None         # None with num_tokens 0: nothing worth reusing
+    num_tokens: int = 0
+    holder: Sequence | None = None
+
+
 @dataclass
 class _Held:
     prompt: bytes                   # the holder's prompt tokens
@@ -87,15 +98,15 @@ class PrefixIndex:
     def is_planned(self, seq: Sequence) -> bool:
         return seq not in self._unplanned
 
-    def plan(self, seq: Sequence) -> tuple[int | None, int] | None:
-        """For an admitted sequence whose prefill has not started: (donor slot, n) to copy positions
-        [0, n) from (n = 0: nothing worth copying; donor may be seq's own slot: nothing to copy), or
-        None: wait a step, because an earlier-admitted sequence still prefilling will soon hold at
-        least `min_tokens` more of this prompt than any slot holds now. Earlier-admitted only, so
-        waits never form a cycle; the caller sets num_computed = n before the slot is written."""
+    def plan(self, seq: Sequence) -> Reuse | None:
+        """For an admitted sequence whose prefill has not started: what to reuse (Reuse(): nothing
+        worth copying), or None: wait a step, because an earlier-admitted sequence still prefilling
+        will soon hold at least `min_tokens` more of this prompt than any slot holds now.
+        Earlier-admitted only, so waits never form a cycle; the caller sets num_computed to the
+        reused count before the slot is written."""
         own = self._slots[seq.slot]
         prompt, limit = own.prompt, len(seq.prompt_ids) - 1
-        best, best_n, soon = None, 0, 0
+        best, best_n, soon = None, 0, 0          # best: (slot, _Held)
         candidates = [(slot, held) for slot, held in self._slots.items() if held is not own]
         if own.before is not None:         # the slot's own freed content: reused in place, no copy
             candidates.insert(0, (seq.slot, own.before))
@@ -103,7 +114,7 @@ class PrefixIndex:
             shared = common_prefix(prompt, held.prompt, limit)
             n = min(shared, held.valid)
             if n > best_n:
-                best, best_n = slot, n
+                best, best_n = (slot, held), n
             if held.seq is not None and held.order < own.order:
                 soon = max(soon, min(shared, len(held.seq.prompt_ids)))
         if soon >= best_n + self.min_tokens:
@@ -112,9 +123,10 @@ class PrefixIndex:
         self._unplanned.remove(seq)
         own.before = None                  # the prefill overwrites the slot from here on
         if best_n < self.min_tokens:
-            return None, 0
+            return Reuse()
         self.num_reused += best_n
-        return best, best_n
+        slot, held = best
+        return Reuse(slot, best_n, held.seq)
 
     def release(self, seq: Sequence) -> None:
         """A finished sequence leaves its slot: what it computed of its prompt stays reusable until the
