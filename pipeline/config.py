@@ -69,11 +69,11 @@ class ModelsConfig:
     suffix: SuffixSection = field(default_factory=SuffixSection)   # drafter suffix (or hybrid's first part)
     dtype: str = AUTO                        # auto (each worker picks for its hardware: pipeline/hardware.py)
                                              # | float32 | bfloat16 | float16
-    draft_dtype: str = SAME                  # the draft model's: same (as the target's) | auto | float32 |
-                                             # bfloat16 | float16. The draft's precision changes which tokens
-                                             # are proposed, never the output distribution (the verifier
-                                             # corrects against the draft's own q): a bf16 draft beside an
-                                             # fp32 target halves the draft's cost where bf16 is fast
+    draft_dtype: str = AUTO                  # the draft model's: auto (what this hardware runs fastest, as
+                                             # for dtype) | same (the target's) | float32 | bfloat16 | float16.
+                                             # Its precision changes which tokens are proposed, never the
+                                             # output distribution (the verifier corrects against the draft's
+                                             # own q): a bf16 draft beside a forced fp32 target costs half
     device: str = "cpu"                      # cpu | cuda | cuda:N
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
 
@@ -377,7 +377,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
     if models["hybrid_proposer"] == "ngram":
         models.pop("hybrid_proposer")
     if models["draft_dtype"] == SAME or cfg.models.drafter not in ("draft", "hybrid"):
-        models.pop("draft_dtype")
+        models.pop("draft_dtype")                     # `same`: the only behaviour before the key existed
     if not uses_suffix(cfg.models):
         models.pop("suffix")
     elif models["suffix"]["sample_method"] == "greedy":   # the rule before the key existed

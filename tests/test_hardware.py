@@ -89,17 +89,19 @@ def test_summary_names_each_dtype_choice():
 
 
 # ---- models.draft_dtype: the draft model's own dtype ----------------------------------------------
-def test_draft_dtype_defaults_to_the_targets_and_hashes_only_when_it_matters():
+def test_draft_dtype_defaults_to_auto_and_hashes_only_when_it_matters():
     from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
-    assert ModelsConfig().draft_dtype == "same"
+    assert ModelsConfig().draft_dtype == "auto"
     with pytest.raises(ConfigError, match=r"models\.draft_dtype.*'fp8'"):
         ModelsConfig(draft_dtype="fp8")
     draft = ["models.drafter=draft", "models.draft=x"]
-    same = load_config("configs/demo.yaml", draft)
+    same = load_config("configs/demo.yaml", [*draft, "models.draft_dtype=same"])
+    auto = load_config("configs/demo.yaml", draft)
     bf16 = load_config("configs/demo.yaml", [*draft, "models.draft_dtype=bfloat16"])
-    assert "draft_dtype" not in hashed_tree(same)["models"]           # runs from before the key resume
+    assert "draft_dtype" not in hashed_tree(same)["models"]           # runs from before the key resume with it
+    assert hashed_tree(auto)["models"]["draft_dtype"] == "auto"
     assert hashed_tree(bf16)["models"]["draft_dtype"] == "bfloat16"     # other proposals: another run
-    assert config_hash(same) != config_hash(bf16)
+    assert len({config_hash(same), config_hash(auto), config_hash(bf16)}) == 3
     ngram = load_config("configs/demo.yaml", ["models.draft_dtype=bfloat16"])   # no draft model: no effect
     assert config_hash(ngram) == config_hash(load_config("configs/demo.yaml"))
 
@@ -107,7 +109,7 @@ def test_draft_dtype_defaults_to_the_targets_and_hashes_only_when_it_matters():
 def test_resolve_draft_dtype():
     from pipeline.runtime import resolve_draft_dtype
     target = DtypeChoice("float32", "auto: CPU has no avx512_bf16/amx_bf16")
-    assert resolve_draft_dtype(ModelsConfig(), target) == DtypeChoice(
+    assert resolve_draft_dtype(ModelsConfig(draft_dtype="same"), target) == DtypeChoice(
         "float32", "same as the target's: auto: CPU has no avx512_bf16/amx_bf16")
     assert resolve_draft_dtype(ModelsConfig(draft_dtype="bfloat16"), target) == DtypeChoice("bfloat16", "configured")
     assert resolve_draft_dtype(ModelsConfig(draft_dtype="auto"), target) == resolve_dtype("auto", "cpu")
