@@ -13,13 +13,15 @@
 # (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest.
 # Logs and gpu_bench.json go to $OUT when it is set. Env: PYTHON (python3), GPU_CHECK_SKIP_TESTS=1,
 # GPU_CHECK_SKIP_BENCH=1, GPU_BENCH_ARGS (more gpu_bench flags; a CPU dry run of this script:
-# GPU_BENCH_ARGS="--device cpu --dtype float32 --tiny"). Exit status: the tests' (0 when skipped), else the benchmark's.
+# GPU_BENCH_ARGS="--device cpu --dtype float32 --tiny"). Exit status: 2 when the environment check fails,
+# 3 when torch sees no CUDA device (outside the dry run), else the tests' (0 when skipped), else the benchmark's.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TOTAL_S=${GPU_CHECK_TOTAL_S:-480}
 TEST_S=${GPU_CHECK_TEST_S:-210}
 LOGDIR=${OUT:-$(mktemp -d)}
+mkdir -p "$LOGDIR" || { echo "cannot create the log folder $LOGDIR" >&2; exit 2; }
 log() { echo "[gpu_check +${SECONDS}s] $*"; }
 
 log "== environment"
@@ -42,6 +44,16 @@ import pipeline.engine, pipeline.models   # what the check imports from the proj
 print("pipeline.engine and pipeline.models import")
 EOF
 [ $? -eq 0 ] || { log "the environment check failed (above): nothing else can run"; exit 2; }
+# Without a CUDA device every GPU test skips and the benchmark cannot start on cuda: say so and fail,
+# unless this is the CPU dry run (GPU_BENCH_ARGS with --device cpu)
+case " ${GPU_BENCH_ARGS:-} " in
+    *" --device cpu "*) DRY_RUN=1 ;;
+    *) DRY_RUN=0 ;;
+esac
+if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    log "torch sees no CUDA device: the GPU check cannot run here (a CPU dry run: GPU_BENCH_ARGS=\"--device cpu --dtype float32 --tiny\")"
+    exit 3
+fi
 
 DIRS=()
 for d in "$@"; do

@@ -26,7 +26,7 @@ os.environ.pop("RAY_ADDRESS", None)
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 # Tiny models gain nothing from intra-op threads, and one thread avoids OpenMP spin-wait stalls when
 # the two cores are shared with other processes.
@@ -34,6 +34,7 @@ torch.set_num_threads(1)
 
 from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
                              SamplingParams, SpecEngine, SuffixDrafter, SuffixParams)
+from pipeline.engine.runner import cache_kwarg
 
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
 
@@ -131,6 +132,16 @@ def greedy_reference(model, prompt: list[int], max_new: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def dynamic_cache_keys(model, tokens: list[int]) -> torch.Tensor:
+    """Layer-0 keys of an uncached forward of `tokens` through HF's own DynamicCache: [kv_heads, n, dim].
+    The cache goes in by the keyword this transformers release takes (cache_kwarg: 5.17 silently
+    ignores an unknown `cache=` and would leave the reference empty)."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([tokens], device=model.device), use_cache=True, **{cache_kwarg(model): cache})
+    return cache.layers[0].keys[0]
 
 
 @torch.no_grad()

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from conftest import greedy_reference, make_engine, mixed_prompts, run_requests
+from conftest import dynamic_cache_keys, greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
 from pipeline.engine.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
 from pipeline.engine.drafters import draft_lag
@@ -188,13 +187,6 @@ def test_adaptive_at_zero_never_runs_the_draft_model(target_model, draft_model):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 12)
 
 
-@torch.no_grad()
-def _layer0_keys(model, tokens: list[int]) -> torch.Tensor:
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
-    return cache.layers[0].keys[0]
-
-
 def test_lazy_catch_up_builds_the_drafts_kv_exactly(target_model, draft_model):
     """Long prompts, a small prefill budget: the draft's KV is caught up over several steps (the
     sequence drafts nothing meanwhile) and then holds exactly the committed history's keys."""
@@ -217,7 +209,7 @@ def test_lazy_catch_up_builds_the_drafts_kv_exactly(target_model, draft_model):
                 seen_drafting += 1
                 n = engine.drafter.num_computed(seq)
                 got = engine.drafter.runner.cache.keys[0][seq.slot, :, :n]
-                torch.testing.assert_close(got, _layer0_keys(draft_model, seq.all_ids()[:n]), atol=2e-4, rtol=1e-4)
+                torch.testing.assert_close(got, dynamic_cache_keys(draft_model, seq.all_ids()[:n]), atol=2e-4, rtol=1e-4)
     assert seen_drafting > 0
 
 

@@ -1,18 +1,9 @@
 """KV invariants after every round, and proof that accepted tokens are never recomputed."""
 import pytest
 import torch
-from transformers import DynamicCache
 
-from conftest import make_engine, mixed_prompts
+from conftest import dynamic_cache_keys, make_engine, mixed_prompts
 from pipeline.engine import SamplingParams
-
-
-@torch.no_grad()
-def reference_keys(model, tokens: list[int]) -> torch.Tensor:
-    """Layer-0 keys of an uncached-history forward through HF's own DynamicCache: [kv_heads, n, dim]."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
-    return cache.layers[0].keys[0]
 
 
 @pytest.mark.parametrize("kind", ["none", "draft-greedy", "draft-prob", "ngram", "hybrid"])
@@ -42,7 +33,7 @@ def test_lengths_and_contents_after_every_round(target_model, draft_model, kind,
             if steps % 3 == 0:    # contents: the slot holds exactly the committed history's KV
                 n = seq.num_computed
                 got = engine.target.cache.keys[0][seq.slot, :, :n]
-                torch.testing.assert_close(got, reference_keys(target_model, seq.all_ids()[:n]),
+                torch.testing.assert_close(got, dynamic_cache_keys(target_model, seq.all_ids()[:n]),
                                            atol=2e-4, rtol=1e-4)
         for seq in engine.scheduler.prefilling:   # chunked prefill never runs past the prompt
             assert seq.num_computed <= len(seq.prompt_ids) - 1
