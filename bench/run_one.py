@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench import hf_baselines
-from pipeline.config import EngineSection, ModelsConfig, SuffixSection
+from pipeline.config import DRAFT_MODEL_KINDS, EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
 from pipeline.hardware import resolve_dtype
 from pipeline.models import ModelSpec, load_model
@@ -44,7 +44,7 @@ def current_rss_mb() -> float:
 def run_engine(args, prompts: list[list[int]]) -> dict:
     target, draft = MODELS[args.model]
     drafter = args.drafter
-    models = ModelsConfig(target=target, draft=draft if drafter in ("draft", "hybrid") else None,
+    models = ModelsConfig(target=target, draft=draft if drafter in DRAFT_MODEL_KINDS else None,
                           drafter=drafter, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                           draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                           suffix=SuffixSection(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)

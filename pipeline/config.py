@@ -26,6 +26,7 @@ from .hardware import AUTO, EXPLICIT_DTYPES
 from .io.storage import RetryPolicy
 
 DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
+DRAFT_MODEL_KINDS = ("draft", "hybrid")     # the drafters that load models.draft
 HYBRID_PROPOSERS = ("ngram", "suffix")
 DTYPES = (AUTO, *EXPLICIT_DTYPES)
 SAME = "same"
@@ -83,7 +84,7 @@ class ModelsConfig:
         _one_of("models.draft_sample_method", self.draft_sample_method, ("greedy", "probabilistic"))
         _one_of("models.dtype", self.dtype, DTYPES)
         _one_of("models.draft_dtype", self.draft_dtype, (SAME, *DTYPES))
-        if self.drafter in ("draft", "hybrid") and not self.draft:
+        if uses_draft_model(self) and not self.draft:
             raise ConfigError(f"models.draft: required when models.drafter={self.drafter!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"models.ngram_min/ngram_max: expected 1 <= min <= max, "
@@ -344,6 +345,10 @@ def _not_yaml(override: str) -> bool:
         return True
 
 
+def uses_draft_model(models: ModelsConfig) -> bool:
+    return models.drafter in DRAFT_MODEL_KINDS
+
+
 def uses_suffix(models: ModelsConfig) -> bool:
     return models.drafter == "suffix" or (models.drafter == "hybrid" and models.hybrid_proposer == "suffix")
 
@@ -376,7 +381,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
     models = tree["models"]                           # likewise for runs without the suffix drafter
     if models["hybrid_proposer"] == "ngram":
         models.pop("hybrid_proposer")
-    if models["draft_dtype"] == SAME or cfg.models.drafter not in ("draft", "hybrid"):
+    if models["draft_dtype"] == SAME or not uses_draft_model(cfg.models):
         models.pop("draft_dtype")                     # `same`: the only behaviour before the key existed
     if not uses_suffix(cfg.models):
         models.pop("suffix")

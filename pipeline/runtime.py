@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import SAME, EngineSection, ModelsConfig
+from .config import SAME, EngineSection, ModelsConfig, uses_draft_model
 from .engine import DraftModelDrafter, HybridDrafter, ModelRunner, NgramDrafter, SpecEngine, SuffixDrafter
 from .hardware import DtypeChoice, resolve_dtype
 from .models import ModelSpec, check_vocab_compatible, load_model, model_id, reject_unsupported
@@ -54,7 +54,7 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
                            engine_cfg.cpu_decoder)
 
     drafter, draft_id, draft_dtype = None, None, None
-    if models.drafter in ("draft", "hybrid"):
+    if uses_draft_model(models):
         draft_dtype = resolve_draft_dtype(models, dtype)
         dspec = ModelSpec(models.draft, draft_dtype.dtype, models.device, models.trust_remote_code)
         draft, draft_tok = load_model(dspec)

@@ -575,11 +575,13 @@ def small_disk(size_mb: int, prefix: str = "small-disk-") -> Iterator[Path]:
             path.rmdir()
 
 
-def fill_until_full(directory: Path, chunk: int = 1 << 20, limit_mb: int = 1 << 16) -> int:
-    """Writes zeros to a new file in `directory` until the filesystem is full; returns the bytes
-    written before ENOSPC. Raises AssertionError if `limit_mb` MiB went in without ENOSPC."""
+def fill_until_full(directory: Path, chunk: int = 1 << 20, limit_mb: int = 1 << 16, name: str | None = None) -> int:
+    """Writes zeros to a new file in `directory` (named `name`, else fill-<random>) until the filesystem
+    is full, unbuffered, so nothing is left to fail later at close; returns the bytes written before
+    ENOSPC. Raises AssertionError if `limit_mb` MiB went in without ENOSPC."""
     written = 0
-    fd = os.open(directory / f"fill-{uuid.uuid4().hex[:8]}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    name = name or f"fill-{uuid.uuid4().hex[:8]}"
+    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         block = b"\0" * chunk
         while written < limit_mb << 20:

@@ -222,7 +222,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         _wait_for_markers(disk / "out" / "t", 2, job)
         # the disk fills up mid-run (unbuffered writes: a buffered file's close would retry the
         # write that hit ENOSPC and raise it here, depending on how full the last write found it)
-        fill_until_full(disk, chunk=1 << 16)
+        fill_until_full(disk, chunk=1 << 16, name="ballast")
         t_full = time.time()
         rc = job.wait(timeout=VERDICT_S + 60)
         assert rc == 1 and time.time() - t_full < VERDICT_S, job.output[-3000:]
@@ -230,8 +230,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         assert "No space left on device" in job.output and "no worker left" not in job.output
         for marker in (disk / "out" / "t" / "_committed").glob("*.json"):
             json.loads(marker.read_text())                     # every marker whole: none torn
-        for ballast in disk.glob("fill-*"):                    # space is freed; the same command resumes
-            ballast.unlink()
+        (disk / "ballast").unlink()                            # space is freed; the same command resumes
         rerun = Job(tmp_path, overrides, name="rerun")
         assert rerun.wait(timeout=300) == 0, rerun.output[-3000:]
         _check_exactly_once(read_run(disk / "out" / "t"), ids)

@@ -24,7 +24,7 @@ import time
 import ray
 from tqdm import tqdm
 
-from ..config import ClusterConfig, JobConfig, config_hash, hashed_tree, redacted
+from ..config import ClusterConfig, JobConfig, config_hash, hashed_tree, redacted, uses_draft_model
 from ..io.lease import LeaseHeld, acquire, owner_info
 from ..io.reader import InputError, Unit, check_output_outside_input, plan_units
 from ..io.writer import RunOutput
@@ -158,7 +158,7 @@ def check_models(cfg: JobConfig) -> None:
     """The target (and draft) exist and hold safetensors/GGUF weights, before any actor starts."""
     from ..models import check_source
     sources = [("models.target", cfg.models.target)]
-    if cfg.models.drafter in ("draft", "hybrid"):
+    if uses_draft_model(cfg.models):
         sources.append(("models.draft", cfg.models.draft))
     for key, source in sources:
         try:
