@@ -1,6 +1,7 @@
 """GPU throughput check: the engine on one device, plain decoding (drafter none) and n-gram drafting,
-eager attention (compile off) and compiled FlexAttention (compile on), one sequence at a time
-(batch 1) and every prompt at once, each figure printed next to its HBM floor.
+steps replayed as CUDA graphs and launched from Python (cuda_graphs on / off), eager attention
+(compile off) and compiled FlexAttention (compile on), one sequence at a time (batch 1) and every
+prompt at once, each figure printed next to its HBM floor.
 
     python3 -m bench.gpu_bench                              # random-init SmolLM2-135M and Qwen2.5-1.5B shapes
     python3 -m bench.gpu_bench --model-dir DIR [DIR ...]    # real checkpoints (HF safetensors directories)
@@ -111,11 +112,14 @@ def floor(weight_bytes: int, kv_per_token: int, seqs_per_step: float, mean_conte
 
 
 # ---- one configuration ----------------------------------------------------------------------------
-def build_engine(model, drafter: str, compile: str, batch: int, max_len: int, g: int) -> SpecEngine:
-    runner = ModelRunner(model, batch, max_len, compile=compile)
+def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max_len: int, g: int) -> SpecEngine:
+    # the uncaptured dry run needs torch's attention: the graphs replay the model's own forward
+    runner = ModelRunner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
+                         cpu_attention="off" if graphs == "uncaptured" else "auto")
     ngram = NgramDrafter(2, 4, device=runner.device) if drafter == "ngram" else None
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, num_speculative_tokens=g,
-                       max_prefill_tokens=4096, compile=compile)
+                       max_prefill_tokens=4096, compile=compile,
+                       cuda_graphs="off" if graphs == "uncaptured" else graphs)   # uncaptured: the runner's CPU test mode
     return SpecEngine(runner, ngram, cfg, eos_token_ids=[])
 
 
@@ -137,10 +141,10 @@ def drive(engine: SpecEngine, prompts, params: SamplingParams, prefix: str, dead
     return counts
 
 
-def run_config(model, drafter: str, compile: str, batch: int, prompts, args, seconds: float,
+def run_config(model, drafter: str, compile: str, graphs: str, batch: int, prompts, args, seconds: float,
                weight_bytes: int) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
-    engine = build_engine(model, drafter, compile, batch, max_len, args.g)
+    engine = build_engine(model, drafter, compile, graphs, batch, max_len, args.g)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
@@ -150,7 +154,11 @@ def run_config(model, drafter: str, compile: str, batch: int, prompts, args, sec
     t0 = time.perf_counter()
     c = drive(engine, prompts, params, "p", t0 + seconds)
     wall = time.perf_counter() - t0
+    step_graphs = engine.target.graphs
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
+           "cuda_graphs": graphs, "graphs_captured": step_graphs.num_graphs if step_graphs else 0,
+           "graph_steps": step_graphs.num_replays if step_graphs else 0,
+           "graphs_off_because": step_graphs.disabled_reason if step_graphs else None,
            "batch": batch, "warmup_s": warm_s, "wall_s": wall, "timed_out": c["finished"] < len(prompts),
            "num_prompts": len(prompts), **c, "tokens_per_s": c["emitted"] / wall, "steps_per_s": c["steps"] / wall,
            "seqs_per_step": c["rounds"] / max(c["steps"], 1),
@@ -171,7 +179,9 @@ def run_config(model, drafter: str, compile: str, batch: int, prompts, args, sec
 def describe(name: str, r: dict) -> str:
     acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
     cut = f" (cut at {r['wall_s']:.0f} s: {r['finished']}/{r['num_prompts']} done)" if r["timed_out"] else ""
-    return (f"{name} compile={r['compile']}({r['attention']}) batch={r['batch']} drafter={r['drafter']}: "
+    graphs = (f" graphs={r['cuda_graphs']}({r['graphs_captured']} captured, {r['graph_steps']} steps"
+              + (f"; OFF: {r['graphs_off_because']}" if r["graphs_off_because"] else "") + ")")
+    return (f"{name}{graphs} compile={r['compile']}({r['attention']}) batch={r['batch']} drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "
             f"{r['tokens_per_round']:.2f} tok/round, acceptance {acc}, warm-up {r['warmup_s']:.1f} s{cut}\n"
             f"    HBM floor: {r['floor_steps_per_s']:8.0f} steps/s -> {r['floor_tokens_per_s']:9.0f} tok/s (weights), "
@@ -180,10 +190,11 @@ def describe(name: str, r: dict) -> str:
 
 
 # ---- the whole check ------------------------------------------------------------------------------
-def configurations(args, num_prompts: int) -> list[tuple[str, int, str]]:
-    """(compile, batch, drafter), most telling first: every prompt at once, then batch 1."""
-    return [(mode, batch, drafter) for mode in args.compile.split(",") for batch in (num_prompts, 1)
-            for drafter in args.drafters.split(",")]
+def configurations(args, num_prompts: int) -> list[tuple[str, str, int, str]]:
+    """(compile, cuda_graphs, batch, drafter), most telling first: graphs as listed, every prompt at
+    once, then batch 1."""
+    return [(mode, graphs, batch, drafter) for graphs in args.cuda_graphs.split(",")
+            for mode in args.compile.split(",") for batch in (num_prompts, 1) for drafter in args.drafters.split(",")]
 
 
 def models_to_run(args) -> list[tuple[str, str, callable]]:
@@ -206,17 +217,20 @@ def bench_model(name: str, kind: str, model, args, report: dict, t_start: float)
     print(f"== {name} ({kind}{', acceptance meaningless' if kind == 'random-init' else ''}): "
           f"{weight_bytes / 1e6:.1f} MB of weights per step, {len(prompts)} prompts of "
           f"{args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} new tokens each", flush=True)
-    for compile, batch, drafter in configurations(args, len(prompts)):
+    for compile, graphs, batch, drafter in configurations(args, len(prompts)):
         left = args.budget_s - (time.monotonic() - t_start)
+        what = f"{name} graphs={graphs} compile={compile} batch={batch} drafter={drafter}"
         if left < 5:
-            entry["skipped"].append({"compile": compile, "batch": batch, "drafter": drafter})
-            print(f"{name} compile={compile} batch={batch} drafter={drafter}: skipped (budget spent)", flush=True)
+            entry["skipped"].append({"compile": compile, "cuda_graphs": graphs, "batch": batch, "drafter": drafter})
+            print(f"{what}: skipped (budget spent)", flush=True)
             continue
         try:
-            res = run_config(model, drafter, compile, batch, prompts, args, min(args.config_s, left), weight_bytes)
+            res = run_config(model, drafter, compile, graphs, batch, prompts, args, min(args.config_s, left),
+                             weight_bytes)
         except Exception as exc:            # report and go on: one failing path must not hide the others
-            res = {"compile": compile, "batch": batch, "drafter": drafter, "error": f"{type(exc).__name__}: {exc}"}
-            print(f"{name} compile={compile} batch={batch} drafter={drafter}: FAILED {res['error']}", flush=True)
+            res = {"compile": compile, "cuda_graphs": graphs, "batch": batch, "drafter": drafter,
+                   "error": f"{type(exc).__name__}: {exc}"}
+            print(f"{what}: FAILED {res['error']}", flush=True)
         else:
             print(describe(name, res), flush=True)
         entry["configs"].append(res)
@@ -244,6 +258,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--tiny", action="store_true", help="tiny random model, 6 short prompts: a dry run")
     ap.add_argument("--compile", default="off,on", help="engine.compile modes, comma-separated")
+    ap.add_argument("--cuda-graphs", default=None,
+                    help="engine.cuda_graphs modes, comma-separated (default: on,off on CUDA, off elsewhere; "
+                         "'uncaptured': the graphs' padded forward without capture, a CPU dry run of that path)")
     ap.add_argument("--drafters", default="none,ngram")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=100)
@@ -256,6 +273,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_bench.json when $OUT is set)")
     args = ap.parse_args(argv)
+    if args.cuda_graphs is None:
+        args.cuda_graphs = "on,off" if args.device.startswith("cuda") else "off"
     if args.tiny:
         args.num_prompts, args.min_prompt, args.max_prompt, args.max_tokens = 6, 20, 40, 16
     if args.out is None and os.environ.get("OUT"):

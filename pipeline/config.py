@@ -148,10 +148,14 @@ class EngineSection:
     prefix_reuse: bool = True       # a new prompt copies the target's KV for the longest prefix it shares
                                     # with a running or just-finished prompt instead of computing it
                                     # (pipeline/engine/prefix.py): templates, system prompts, repeated samples
+    cuda_graphs: str = "auto"       # auto | on | off: on a GPU, decoding and verify steps replayed as captured
+                                    # CUDA graphs, one per padded shape, captured on first use and checked
+                                    # against an uncaptured run (pipeline/engine/cuda_graphs.py; auto: on
+                                    # CUDA; on: fail elsewhere; off: every kernel launched from Python)
 
     def __post_init__(self):
         # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder"):
+        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder", "cuda_graphs"):
             value = getattr(self, name)
             setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
         try:
@@ -376,6 +380,7 @@ def hashed_tree(cfg: JobConfig) -> dict:
     tree["engine"].pop("cpu_fused")                   # the fused norm / MLP kernels: likewise
     tree["engine"].pop("cpu_decoder")                 # the kernel loop: the same numbers as the modules
     tree["engine"].pop("prefix_reuse")                # copied prompt KV: the same values as computed
+    tree["engine"].pop("cuda_graphs")                 # a replayed step: the same kernels as launched
     if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
         tree["input"].pop("passthrough_columns")
     models = tree["models"]                           # likewise for runs without the suffix drafter

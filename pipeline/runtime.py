@@ -51,7 +51,7 @@ def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngin
     def runner(model) -> ModelRunner:
         return ModelRunner(model, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
                            engine_cfg.cpu_attention, engine_cfg.cpu_linear, engine_cfg.cpu_fused,
-                           engine_cfg.cpu_decoder)
+                           engine_cfg.cpu_decoder, engine_cfg.cuda_graphs)
 
     drafter, draft_id, draft_dtype = None, None, None
     if uses_draft_model(models):

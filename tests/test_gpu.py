@@ -2,7 +2,9 @@
 on a GPU machine by `bash bench/gpu_check.sh`.
 
 - fp32 greedy identity: every drafter, eager (compile off) and compiled FlexAttention (compile on),
-  against Hugging Face `generate` on the same CUDA device. A difference is allowed only where the
+  with steps replayed as CUDA graphs and without (cuda_graphs.py; with them, every runner must have
+  captured graphs and kept them: none switched off by the capture's self-check), against Hugging
+  Face `generate` on the same CUDA device. A difference is allowed only where the
   target's top-2 logits (CPU copy, fp64 head) are within NEAR_TIE, and at most MAX_TIES prompts.
 - Sampling (temperature 0.8): valid tokens, and the same seeds give the same tokens on a rerun.
 - bf16: completes, and agrees with fp32 on the first tokens of most prompts (threshold below).
@@ -72,24 +74,33 @@ def check_greedy(outputs: list[list[int]], references, prompts, tie_model) -> in
     return mismatches
 
 
-def assert_on_cuda(engine, flex: bool) -> None:
+def assert_on_cuda(engine, flex: bool, graphs: bool) -> None:
     runners = [engine.target] + ([engine.drafter.draft_runner] if engine.drafter.draft_runner else [])
     for runner in runners:
         assert runner.cache.keys[0].is_cuda and runner.cache.values[-1].is_cuda
         assert runner.flex == flex
+        if graphs:
+            g = runner.graphs
+            assert g is not None and g.capture, "CUDA graphs were not set up"
+            assert g.enabled, f"CUDA graphs switched off: {g.disabled_reason}"
+            assert g.num_graphs > 0 and g.num_replays > 0
+        else:
+            assert runner.graphs is None
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
-@pytest.mark.parametrize("compile", ["off", "on"])
-def test_greedy_identity_on_cuda(kind, compile, target_model, cuda_target, cuda_draft, prompts, cuda_references):
-    engine = make_engine(cuda_target, kind, cuda_draft, max_num_seqs=8, max_model_len=128, g=4, compile=compile)
+@pytest.mark.parametrize("compile,graphs", [("off", "off"), ("off", "on"), ("on", "on")])
+def test_greedy_identity_on_cuda(kind, compile, graphs, target_model, cuda_target, cuda_draft, prompts,
+                                 cuda_references):
+    engine = make_engine(cuda_target, kind, cuda_draft, max_num_seqs=8, max_model_len=128, g=4, compile=compile,
+                         cuda_graphs=graphs)
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=2)
     outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
     mismatches = check_greedy(outputs, cuda_references, prompts, target_model)
     assert mismatches <= MAX_TIES, f"{mismatches} near-tie mismatches out of {NUM_PROMPTS}"
     if kind != "none":     # the drafts must have been exercised, or identity is trivial
         assert sum(r.accepted for r in rounds) > 0
-    assert_on_cuda(engine, flex=compile == "on")
+    assert_on_cuda(engine, flex=compile == "on", graphs=graphs == "on")
 
 
 def sample(target, draft, kind, compile, prompts, seeds) -> tuple[list[list[int]], int]:

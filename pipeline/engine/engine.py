@@ -30,6 +30,7 @@ from .cpu_attention import MODES as CPU_ATTENTION_MODES
 from .cpu_decoder import MODES as CPU_DECODER_MODES
 from .cpu_fused import MODES as CPU_FUSED_MODES
 from .cpu_linear import MODES as CPU_LINEAR_MODES
+from .cuda_graphs import MODES as CUDA_GRAPH_MODES
 from .drafters import DraftBatch, Drafter, NoDrafter
 from .logits import row_probs
 from .prefill import forward_history
@@ -62,6 +63,8 @@ class EngineConfig:
                                      # auto (where they are all in use) | on (raise where not) | off
     prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds
                                      # (a running or just-finished sequence's prompt) instead of computing it
+    cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs (cuda_graphs.py): auto (on CUDA) |
+                                     # on (raise elsewhere) | off (every step launched from Python)
 
     def __post_init__(self):
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
@@ -80,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"engine.cpu_fused: expected one of {CPU_FUSED_MODES}, got {self.cpu_fused!r}")
         if self.cpu_decoder not in CPU_DECODER_MODES:
             raise ValueError(f"engine.cpu_decoder: expected one of {CPU_DECODER_MODES}, got {self.cpu_decoder!r}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"engine.cuda_graphs: expected one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
         if not isinstance(self.prefix_reuse, bool):
             raise ValueError(f"engine.prefix_reuse: expected true or false, got {self.prefix_reuse!r}")
         if self.cpu_linear == "on" and not self.packed_linear:

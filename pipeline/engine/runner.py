@@ -19,6 +19,8 @@ from .cpu_fused import fuse
 from .cpu_fused import policy as cpu_fused_policy
 from .cpu_linear import can_pack, pack_linears, panel_linears
 from .cpu_linear import policy as cpu_linear_policy
+from .cuda_graphs import StepGraphs
+from .cuda_graphs import policy as cuda_graphs_policy
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
 
@@ -54,7 +56,7 @@ def _text_config(config):
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
                  compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
-                 cpu_fused: str = "auto", cpu_decoder: str = "auto"):
+                 cpu_fused: str = "auto", cpu_decoder: str = "auto", cuda_graphs: str = "off"):
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -68,8 +70,15 @@ class ModelRunner:
         # on CPU: our C attention kernel (cpu_attention.py), each row reading its own keys; None where
         # it is off or cannot be used (then flex or padded SDPA, as above)
         self.cpu_attention = cpu_attention_policy(cpu_attention, self.device, self.dtype, head_dim)
-        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads,
-                                 capacity(max_model_len) if self.flex else max_model_len,
+        # CUDA graphs (cuda_graphs.py): "uncaptured" runs their padded forward without capturing, which is
+        # how the tests check it on CPU. The graphs' pad rows and tokens need one spare slot and a few
+        # positions past max_model_len.
+        capture = cuda_graphs != "uncaptured" and cuda_graphs_policy(cuda_graphs, self.device)
+        graphs = capture or cuda_graphs == "uncaptured"
+        store_slots = StepGraphs.store_rows(num_slots) if graphs else num_slots
+        store_len = StepGraphs.store_positions(max_model_len) if graphs else max_model_len
+        self.cache = SlotKVCache(cfg.num_hidden_layers, store_slots, cfg.num_key_value_heads,
+                                 capacity(store_len) if self.flex else store_len,
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
@@ -94,6 +103,11 @@ class ModelRunner:
         # forward, without its glue. Merges q/k/v's panels in place (the modules keep views).
         self.decoder = cpu_decoder_policy(cpu_decoder, model, self.cache, self.cpu_attention, self.cpu_fused,
                                           self.cpu_linear if self.panel_linears else None, max_model_len)
+        # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
+        # (or the CPU loop over them) take every forward.
+        self.graphs = (StepGraphs(self._model_forward, self.num_groups, self.dtype, self.device, num_slots,
+                                  self.cache.max_len, capture=capture)
+                       if graphs and self.decoder is None and self.cpu_attention is None else None)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -103,6 +117,11 @@ class ModelRunner:
         ([rows, vocab]), or None (logits="none": prefill)."""
         num_new = [len(t) for t in tokens]
         kernel = self.cpu_attention
+        bucket = self.graphs.bucket(starts, num_new, logits) if self.graphs is not None else None
+        if bucket is not None:
+            out = self.graphs.forward(bucket, slots, starts, tokens)
+            self.num_forward_tokens += sum(num_new)
+            return out.float()
         if self.decoder is not None:
             out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, None, kernel), logits)
             self.num_forward_tokens += sum(num_new)
@@ -117,13 +136,19 @@ class ModelRunner:
         mask = None
         if not flex and kernel is None:
             mask, lay.rest_mask = attention_masks(lay, self.num_groups, self.dtype)
+        out = self._model_forward(lay, mask, keep)
+        self.num_forward_tokens += sum(num_new)
+        return None if logits == "none" else out.float()                     # [kept, vocab]
+
+    def _model_forward(self, lay, mask: torch.Tensor | None, keep) -> torch.Tensor:
+        """The model's forward over the slot store for one layout: logits of the kept packed positions
+        ([kept, vocab], the model's dtype)."""
         self.cache.layout = lay
         out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids, attention_mask=mask,
                          use_cache=True, logits_to_keep=keep, slot_layout=lay,
                          **{self.cache_kwarg: self.cache})
         self.cache.layout = None
-        self.num_forward_tokens += sum(num_new)
-        return None if logits == "none" else out.logits[0].float()           # [kept, vocab]
+        return out.logits[0]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot `dst` gets slot `src`'s KV for positions [0, n): a shared prompt prefix, copied instead of

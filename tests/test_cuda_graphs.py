@@ -1,0 +1,114 @@
+"""The CUDA-graph path's padded, bucketed forward (pipeline/engine/cuda_graphs.py), on CPU without the
+capture: what a captured graph computes is this forward on its static buffers, so buckets, pad tokens,
+pad rows, the spare slot, the mask over the keys bucket and the logits' gather are all checked here.
+The capture itself (and its self-check against an uncaptured run) needs a GPU: tests/test_gpu.py.
+
+Logits are compared with the eager runner's at fp32 (atol 1e-4: padded keys change only the
+reduction's length), and greedy output with Hugging Face `generate`.
+"""
+import copy
+
+import pytest
+import torch
+
+from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
+from pipeline.engine import SamplingParams
+from pipeline.engine.cuda_graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, Bucket, policy
+from pipeline.engine.runner import ModelRunner
+
+VOCAB = 512
+
+
+def runners(num_slots: int, max_len: int):
+    model = tiny_llama()
+    make = lambda mode: ModelRunner(copy.deepcopy(model), num_slots, max_len, pack_linear=False,
+                                    cpu_attention="off", cuda_graphs=mode)
+    return make("off"), make("uncaptured")
+
+
+def test_policy_and_store():
+    cpu = torch.device("cpu")
+    assert policy("auto", cpu) is False and policy("off", cpu) is False
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        policy("on", cpu)
+    with pytest.raises(ValueError, match="engine.cuda_graphs"):
+        policy("yes", cpu)
+    eager, graphs = runners(3, 100)
+    assert eager.graphs is None and eager.cache.num_slots == 3 and eager.cache.max_len == 100
+    assert graphs.graphs is not None and not graphs.graphs.capture
+    assert graphs.cache.num_slots == 4 and graphs.cache.max_len == 100 + MAX_Q - 1   # spare slot, pad room
+    # where our CPU kernels take every forward there is nothing for a graph to replay
+    assert ModelRunner(tiny_llama(), 2, 64, cuda_graphs="uncaptured").graphs is None
+
+
+def test_buckets():
+    _, runner = runners(6, 1000)
+    g = runner.graphs
+    assert g.bucket([5, 7, 9], [1, 3, 2], "all") == Bucket(4, 3, MIN_KEYS, "all")
+    assert g.bucket([300], [1], "last") == Bucket(1, 1, 512, "last")
+    assert g.bucket([0] * 5, [1] * 5, "last").rows == 6                      # capped at the runner's slots
+    assert g.bucket([990], [4], "all").keys == runner.cache.max_len          # the last keys bucket: the store
+    assert g.bucket([0], [MAX_Q + 1], "all") is None                         # too many tokens per row
+    assert g.bucket([0], [4], "none") is None                                # prefill: eager
+    _, big = runners(128, 64)
+    assert big.graphs.bucket([0] * 128, [MAX_TOKENS // 128 + 1] * 128, "all") is None
+
+
+def test_logits_equal_eager_over_a_run_of_steps():
+    """Ragged verify-like steps over non-contiguous slots, rows not a power of two, rows ending at
+    max_model_len (pad tokens run into the extra positions), "all" and "last", with rollbacks: each
+    step's logits equal the eager runner's, so the pad tokens' KV never leaks into a real row."""
+    max_len = 120
+    eager, graphs = runners(5, max_len)
+    gen = torch.Generator().manual_seed(0)
+    slots = [4, 0, 2]
+    history = {s: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for s, n in zip(slots, (40, 7, 110))}
+    computed = {}
+    for runner in (eager, graphs):
+        runner.forward(slots, [0] * 3, [history[s] for s in slots], logits="none")
+    computed = {s: len(history[s]) for s in slots}
+    for step in range(8):
+        rows = slots if step % 3 else slots[:2]
+        new = {s: torch.randint(0, VOCAB, (1 + (step + i) % 5,), generator=gen).tolist() for i, s in enumerate(rows)}
+        for s in rows:                                   # never past max_model_len (the engine's bound)
+            new[s] = new[s][:max_len - computed[s]] or new[s][:0]
+        rows = [s for s in rows if new[s]]
+        mode = "all" if step % 2 else "last"
+        args = (rows, [computed[s] for s in rows], [new[s] for s in rows])
+        want, got = eager.forward(*args, logits=mode), graphs.forward(*args, logits=mode)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for s in rows:                                   # keep all but the last new token (a rollback)
+            computed[s] += max(len(new[s]) - 1, 1) if computed[s] + len(new[s]) < max_len else len(new[s])
+            computed[s] = min(computed[s], max_len - 1)
+    assert graphs.graphs.num_replays == 8 and eager.num_forward_tokens == graphs.num_forward_tokens
+    assert computed[2] >= max_len - 5                    # a row did reach the end of its slot
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+def test_greedy_identity_through_the_graph_path(kind, target_model, draft_model):
+    """The engine with every eligible step (target and draft) on the graph path: greedy output is HF
+    `generate`'s, and drafts were both accepted and rejected."""
+    prompts = mixed_prompts(12, target_model.config.vocab_size, seed=2)
+    engine = make_engine(target_model, kind, draft_model, max_num_seqs=3, max_model_len=128, g=4,
+                         cpu_attention="off", cuda_graphs="uncaptured")
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, p, 24), f"prompt {i}"
+    assert engine.target.graphs.num_replays > 0
+    if kind == "draft":
+        assert engine.drafter.draft_runner.graphs.num_replays > 0
+    if kind != "none":
+        accepted, drafted = sum(r.accepted for r in rounds), sum(r.draft_len for r in rounds)
+        assert 0 < accepted < drafted
+
+
+def test_config_key(tmp_path):
+    from pipeline.config import ConfigError, hashed_tree, load_config
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  cuda_graphs: off\n")
+    cfg = load_config(str(path))
+    assert cfg.engine.cuda_graphs == "off" and load_config(None, []).engine.cuda_graphs == "auto"
+    assert hashed_tree(cfg) == hashed_tree(load_config(None, []))           # not part of the output's identity
+    with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+        load_config(str(path), ["engine.cuda_graphs=maybe"])
