@@ -191,10 +191,11 @@ def describe(name: str, r: dict) -> str:
 
 # ---- the whole check ------------------------------------------------------------------------------
 def configurations(args, num_prompts: int) -> list[tuple[str, str, int, str]]:
-    """(compile, cuda_graphs, batch, drafter), most telling first: graphs as listed, every prompt at
-    once, then batch 1."""
-    return [(mode, graphs, batch, drafter) for graphs in args.cuda_graphs.split(",")
-            for mode in args.compile.split(",") for batch in (num_prompts, 1) for drafter in args.drafters.split(",")]
+    """(compile, cuda_graphs, batch, drafter), most telling first: compile and graphs modes as listed
+    (compile outermost: with --compile off,on the compiled ones are what a spent budget skips), every
+    prompt at once, then batch 1."""
+    return [(mode, graphs, batch, drafter) for mode in args.compile.split(",") for graphs in args.cuda_graphs.split(",")
+            for batch in (num_prompts, 1) for drafter in args.drafters.split(",")]
 
 
 def models_to_run(args) -> list[tuple[str, str, callable]]:
@@ -267,7 +268,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-prompt", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--g", type=int, default=4, help="draft tokens per round")
-    ap.add_argument("--config-s", type=float, default=12.0, help="timed seconds per configuration, at most")
+    ap.add_argument("--config-s", type=float, default=8.0, help="timed seconds per configuration, at most")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no configuration starts after this")
     ap.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")

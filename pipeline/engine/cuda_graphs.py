@@ -207,7 +207,7 @@ class StepGraphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._run(slot)
             graph.replay()
         except Exception as exc:           # any failure to capture: eager from now on, never a wrong result
