@@ -158,6 +158,7 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
            "cuda_graphs": graphs, "graphs_captured": step_graphs.num_graphs if step_graphs else 0,
            "graph_steps": step_graphs.num_replays if step_graphs else 0,
+           "graph_capture_s": step_graphs.capture_s if step_graphs else 0.0,
            "graphs_off_because": step_graphs.disabled_reason if step_graphs else None,
            "batch": batch, "warmup_s": warm_s, "wall_s": wall, "timed_out": c["finished"] < len(prompts),
            "num_prompts": len(prompts), **c, "tokens_per_s": c["emitted"] / wall, "steps_per_s": c["steps"] / wall,
@@ -179,7 +180,8 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
 def describe(name: str, r: dict) -> str:
     acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
     cut = f" (cut at {r['wall_s']:.0f} s: {r['finished']}/{r['num_prompts']} done)" if r["timed_out"] else ""
-    graphs = (f" graphs={r['cuda_graphs']}({r['graphs_captured']} captured, {r['graph_steps']} steps"
+    graphs = (f" graphs={r['cuda_graphs']}({r['graphs_captured']} captured in {r['graph_capture_s']:.1f} s, "
+              f"{r['graph_steps']} steps"
               + (f"; OFF: {r['graphs_off_because']}" if r["graphs_off_because"] else "") + ")")
     return (f"{name}{graphs} compile={r['compile']}({r['attention']}) batch={r['batch']} drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "

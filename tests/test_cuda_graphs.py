@@ -1,7 +1,8 @@
 """The CUDA-graph path's padded, bucketed forward (pipeline/engine/cuda_graphs.py), on CPU without the
 capture: what a captured graph computes is this forward on its static buffers, so buckets, pad tokens,
 pad rows, the spare slot, the mask over the keys bucket and the logits' gather are all checked here.
-The capture itself (and its self-check against an uncaptured run) needs a GPU: tests/test_gpu.py.
+The capture's self-check runs here over stand-in runtimes (a faithful replay, one that writes nothing,
+one that raises); the CUDA capture itself needs a GPU: tests/test_gpu.py.
 
 Logits are compared with the eager runner's at fp32 (atol 1e-4: padded keys change only the
 reduction's length), and greedy output with Hugging Face `generate`.
@@ -35,7 +36,7 @@ def test_policy_and_store():
         policy("yes", cpu)
     eager, graphs = runners(3, 100)
     assert eager.graphs is None and eager.cache.num_slots == 3 and eager.cache.max_len == 100
-    assert graphs.graphs is not None and not graphs.graphs.capture
+    assert graphs.graphs is not None and graphs.graphs.capture is None
     assert graphs.cache.num_slots == 4 and graphs.cache.max_len == 100 + MAX_Q - 1   # spare slot, pad room
     # where our CPU kernels take every forward there is nothing for a graph to replay
     assert ModelRunner(tiny_llama(), 2, 64, cuda_graphs="uncaptured").graphs is None
@@ -112,3 +113,64 @@ def test_config_key(tmp_path):
     assert hashed_tree(cfg) == hashed_tree(load_config(None, []))           # not part of the output's identity
     with pytest.raises(ConfigError, match="engine.cuda_graphs"):
         load_config(str(path), ["engine.cuda_graphs=maybe"])
+
+
+class RerunCapture:
+    """Stands in for the CUDA runtime (cuda_graphs.CudaCapture): its "graph" replays by running the
+    recorded function again, which is what a faithful capture does."""
+
+    def __init__(self):
+        self.captures = 0
+
+    def warm_up(self, fn):
+        fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        return fn
+
+
+class NoopReplay(RerunCapture):
+    """A replay that does nothing (a graph whose kernels write elsewhere, say)."""
+
+    def capture(self, fn):
+        self.captures += 1
+        return lambda: None
+
+
+class RaisingCapture(RerunCapture):
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def graph_engine(target_model, draft_model, backend):
+    engine = make_engine(target_model, "draft", draft_model, max_num_seqs=3, max_model_len=128, g=4,
+                         cpu_attention="off", cuda_graphs="uncaptured")
+    for runner in (engine.target, engine.drafter.draft_runner):
+        runner.graphs.capture = backend
+    return engine
+
+
+@pytest.mark.parametrize("backend", [RerunCapture, NoopReplay, RaisingCapture])
+def test_capture_self_check(backend, target_model, draft_model):
+    """The capture logic over a stand-in runtime: a faithful replay keeps one graph per bucket; a replay
+    that does not reproduce the uncaptured run, or a capture that raises, switches graphs off with a
+    warning naming why. Output is HF greedy's in all three cases."""
+    prompts = mixed_prompts(12, target_model.config.vocab_size, seed=2)
+    runtime = backend()
+    engine = graph_engine(target_model, draft_model, runtime)
+    if backend is RerunCapture:
+        done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
+    else:
+        with pytest.warns(RuntimeWarning, match="CUDA graphs off for this model"):
+            done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, p, 24), f"prompt {i}"
+    graphs = [engine.target.graphs, engine.drafter.draft_runner.graphs]
+    if backend is RerunCapture:
+        assert all(g.enabled and g.num_graphs > 0 for g in graphs)
+        assert runtime.captures == sum(g.num_graphs for g in graphs)       # each bucket captured once
+    else:
+        reason = "differs from its uncaptured run" if backend is NoopReplay else "operation not permitted"
+        assert all(not g.enabled and reason in g.disabled_reason and g.num_graphs == 0 for g in graphs)
+        assert all(g.bucket([0], [1], "last") is None for g in graphs)      # eager from then on

@@ -81,7 +81,7 @@ def assert_on_cuda(engine, flex: bool, graphs: bool) -> None:
         assert runner.flex == flex
         if graphs:
             g = runner.graphs
-            assert g is not None and g.capture, "CUDA graphs were not set up"
+            assert g is not None and g.capture is not None, "CUDA graphs were not set up"
             assert g.enabled, f"CUDA graphs switched off: {g.disabled_reason}"
             assert g.num_graphs > 0 and g.num_replays > 0
         else:

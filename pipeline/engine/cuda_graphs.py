@@ -33,13 +33,14 @@ say) does the same. A model whose forward cannot be captured runs at eager speed
 KV both runs write is the same (a position's KV depends only on the tokens up to it), so running the
 step twice changes nothing.
 
-`capture=False` runs the identical padded forward without capturing: on CPU, it is how the tests
+`capture=None` runs the identical padded forward without capturing: on CPU, it is how the tests
 check everything but the capture itself (buckets, padding, buffers, masks, the logits' gather).
 
 This module knows nothing about requests or drafting; it sees a runner's forward and a layout.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -65,10 +66,6 @@ def policy(mode: str, device: torch.device) -> bool:
             raise RuntimeError(f"engine.cuda_graphs=on needs a CUDA device, the model is on {device}")
         return False
     return True
-
-
-def _round_up_pow2(n: int, limit: int) -> int:
-    return min(1 << max(n - 1, 0).bit_length(), limit)
 
 
 @dataclass(frozen=True)
@@ -104,30 +101,54 @@ class _Slot:
             is_valid=torch.ones(rows, q, dtype=torch.bool, device=device),
             token_row=token_row, token_q=torch.arange(q, device=device).repeat(rows),
             kv_len=bucket.keys, slot_range=None)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.replay: Callable[[], None] | None = None      # set once captured and checked
+
+
+class CudaCapture:
+    """The CUDA runtime's part: warm up on a side stream, capture into one memory pool shared by every
+    graph of the runner (one step replays at a time, so their intermediates may share memory), replay."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = None
+
+    def warm_up(self, fn: Callable[[], None]) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Record fn's kernels (without running them); returns the replay."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            fn()
+        return graph.replay
 
 
 class StepGraphs:
-    """Padded, bucketed forwards of one runner, captured as CUDA graphs (or, capture=False, run as they
-    would be captured). `forward_fn(layout, mask, keep)` is the runner's model call: packed logits
-    for the kept positions ([kept, vocab])."""
+    """Padded, bucketed forwards of one runner, captured by `capture` (a CudaCapture), or with
+    capture=None run exactly as they would be captured. `forward_fn(layout, mask, keep)` is the
+    runner's model call: packed logits for the kept positions ([kept, vocab])."""
 
     def __init__(self, forward_fn: Callable[[StepLayout, torch.Tensor, object], torch.Tensor],
                  num_groups: int, dtype: torch.dtype, device: torch.device, num_slots: int, store_len: int,
-                 capture: bool = True):
+                 capture: CudaCapture | None = None):
         self.forward_fn = forward_fn
         self.num_groups, self.dtype, self.device = num_groups, dtype, device
         self.spare_slot = num_slots                  # the store holds num_slots + 1 slots
-        self.max_rows = _round_up_pow2(num_slots, num_slots)
+        self.max_rows = num_slots
         self.store_len = store_len
         self.capture = capture
         self.enabled = True
         self.disabled_reason: str | None = None
         self._slots: dict[Bucket, _Slot] = {}
         self._out: torch.Tensor | None = None        # [MAX_TOKENS, vocab], every graph's logits
-        self._pool = None
         self.num_replays = 0                         # steps served by a graph (or its uncaptured twin)
-
+        self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
     @staticmethod
     def store_rows(num_slots: int) -> int:
         """Slots the store must hold: the engine's, plus the spare one pad rows use."""
@@ -173,12 +194,12 @@ class StepGraphs:
         slot.buffer.copy_(staged[:fixed])
         real_idx = staged[fixed:]
         self.num_replays += 1
-        if not self.capture:
+        if self.capture is None:
             self._run(slot)
             return self._real(bucket, real_idx)
-        if slot.graph is None:
+        if slot.replay is None:
             return self._capture(slot, real_idx)
-        slot.graph.replay()
+        slot.replay()
         return self._real(bucket, real_idx)
 
     def _run(self, slot: _Slot) -> None:
@@ -197,19 +218,19 @@ class StepGraphs:
     def _capture(self, slot: _Slot, real_idx: torch.Tensor) -> torch.Tensor:
         """First use of a bucket: run it uncaptured (the reference, and the warm-up, on a side stream),
         capture it, replay it, and keep the graph only if the replay reproduces the reference."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._run(slot)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        reference = self._real(slot.bucket, real_idx).clone()
+        t0 = time.perf_counter()
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._run(slot)
-            graph.replay()
+            return self._capture_checked(slot, real_idx)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_checked(self, slot: _Slot, real_idx: torch.Tensor) -> torch.Tensor:
+        self.capture.warm_up(lambda: self._run(slot))
+        reference = self._real(slot.bucket, real_idx).clone()
+        self._out.fill_(float("nan"))      # the replay must write every real row itself
+        try:
+            replay = self.capture.capture(lambda: self._run(slot))
+            replay()
         except Exception as exc:           # any failure to capture: eager from now on, never a wrong result
             self._disable(f"capturing {slot.bucket} raised {type(exc).__name__}: {exc}")
             return reference
@@ -218,7 +239,7 @@ class StepGraphs:
         if not bool(((replayed - reference).abs().max() <= 1e-3 * scale).item()):
             self._disable(f"the replay of {slot.bucket} differs from its uncaptured run")
             return reference
-        slot.graph = graph
+        slot.replay = replay
         return replayed
 
     def _disable(self, reason: str) -> None:
@@ -229,4 +250,4 @@ class StepGraphs:
 
     @property
     def num_graphs(self) -> int:
-        return sum(s.graph is not None for s in self._slots.values())
+        return sum(s.replay is not None for s in self._slots.values())

@@ -19,7 +19,7 @@ from .cpu_fused import fuse
 from .cpu_fused import policy as cpu_fused_policy
 from .cpu_linear import can_pack, pack_linears, panel_linears
 from .cpu_linear import policy as cpu_linear_policy
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import CudaCapture, StepGraphs
 from .cuda_graphs import policy as cuda_graphs_policy
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
@@ -106,7 +106,7 @@ class ModelRunner:
         # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
         # (or the CPU loop over them) take every forward.
         self.graphs = (StepGraphs(self._model_forward, self.num_groups, self.dtype, self.device, num_slots,
-                                  self.cache.max_len, capture=capture)
+                                  self.cache.max_len, CudaCapture(self.device) if capture else None)
                        if graphs and self.decoder is None and self.cpu_attention is None else None)
 
     @torch.inference_mode()
