@@ -10,7 +10,9 @@ rows cost ~1.3x one row, and 40 rows ~2x less than `F.linear` (bench/linear_kern
 
 Memory: the packed weight replaces the dense one inside the module. Packing reads every dense weight,
 so while it runs the checkpoint's memory-mapped pages count in RSS too: peak RSS at load is about
-dense + packed (measured: Qwen2.5-1.5B fp32 12.3 GB at the peak, 7.3 GB after). A weight shared
+dense + packed, but the dense part is clean file-backed pages the kernel reclaims under pressure, not
+anonymous memory (measured, Qwen2.5-1.5B fp32 with the runner's packing, sampled every 20 ms: peak RSS
+15.3 GB = anonymous 8.26 GB, which is also its steady state, + file-backed 7.06 GB; 8.38 GB after). A weight shared
 with the input embedding (tied lm_head) stays dense for the embedding and is packed once more here, which costs
 its size in memory (SmolLM2-135M: 113 MB fp32; Qwen2.5-1.5B: 0.9 GB).
 
