@@ -59,6 +59,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
     engine.reset_prefix_cache()           # the warm-up's prompts must not be reused by the timed run
+    draft_runner = engine.drafter.draft_runner if engine.drafter is not None else None
+    forwarded = (engine.target.num_forward_tokens, draft_runner.num_forward_tokens if draft_runner else 0)
     t0 = time.perf_counter()
     done, rounds = _drain(engine, prompts, params, "p")
     wall = time.perf_counter() - t0
@@ -78,7 +80,10 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             "steps": list(steps.values()), "outputs": outputs,
             "verify_curve": engine.costs.verify_curve, "draft_curve": engine.costs.draft_curve,
             "prompt_tokens": sum(len(p) for p in prompts),
-            "prefix_reused_tokens": engine.prefixes.num_reused if engine.prefixes is not None else 0}
+            "prefix_reused_tokens": engine.prefixes.num_reused if engine.prefixes is not None else 0,
+            # tokens each model forwarded in the timed run (prefill, catch-up, drafts, verification)
+            "target_forward_tokens": engine.target.num_forward_tokens - forwarded[0],
+            "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0}
 
 
 def _drain(engine, prompts, params, prefix):

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Draft-model prefix reuse on the real Qwen pair (engine.prefix_reuse on vs off), templated prompts
+# (bench.make_templated --model qwen2.5-coder-1.5b-instruct --seeds-per-slot 6 --samples 2, first 8),
+# batch 4, greedy, 64 new tokens, fp32 target + bf16 draft (draft_dtype auto), adaptive; 2 rounds alternating.
+set -eu
+cd "$(dirname "$0")/../../.."
+OUT=bench/out/v12
+for rep in 1 2; do
+  for pr in on off; do
+    .venv/bin/python -m bench.run_one --mode engine --model qwen --drafter draft --adaptive --batch 4 \
+      --max-tokens 64 --dtype float32 --draft-dtype auto --prefix-reuse $pr \
+      --prompts bench/out/prompts_qwen_templated_8.json --out $OUT/qwen_prefix_${pr}_$rep.json
+  done
+done
