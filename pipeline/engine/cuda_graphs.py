@@ -149,6 +149,7 @@ class StepGraphs:
         self._out: torch.Tensor | None = None        # [MAX_TOKENS, vocab], every graph's logits
         self.num_replays = 0                         # steps served by a graph (or its uncaptured twin)
         self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
+
     @staticmethod
     def store_rows(num_slots: int) -> int:
         """Slots the store must hold: the engine's, plus the spare one pad rows use."""
