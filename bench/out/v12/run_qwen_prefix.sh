@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Draft-model prefix reuse on the real Qwen pair (engine.prefix_reuse on vs off), templated prompts
 # (bench.make_templated --model qwen2.5-coder-1.5b-instruct --seeds-per-slot 6 --samples 2, first 8),
-# batch 4, greedy, 64 new tokens, fp32 target + bf16 draft (draft_dtype auto), adaptive; 2 rounds alternating.
+# batch 4, greedy, 64 new tokens, fp32 target, draft_dtype auto (bf16 where the CPU has avx512_bf16; fp32 on session 12's AVX2 box), adaptive; 2 rounds alternating.
 set -eu
 cd "$(dirname "$0")/../../.."
 OUT=bench/out/v12
