@@ -86,13 +86,16 @@ def test_logits_equal_eager_over_a_run_of_steps():
     assert computed[2] >= max_len - 5                    # a row did reach the end of its slot
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
-def test_greedy_identity_through_the_graph_path(kind, target_model, draft_model):
+@pytest.mark.parametrize("kind,adaptive", [("none", False), ("ngram", False), ("draft", False), ("draft", True)])
+def test_greedy_identity_through_the_graph_path(kind, adaptive, target_model, draft_model):
     """The engine with every eligible step (target and draft) on the graph path: greedy output is HF
-    `generate`'s, and drafts were both accepted and rejected."""
+    `generate`'s, and drafts were both accepted and rejected. Adaptive: its calibration times
+    forwards through the same path, and rows draft different lengths in one step."""
     prompts = mixed_prompts(12, target_model.config.vocab_size, seed=2)
     engine = make_engine(target_model, kind, draft_model, max_num_seqs=3, max_model_len=128, g=4,
-                         cpu_attention="off", cuda_graphs="uncaptured")
+                         adaptive=adaptive, cpu_attention="off", cuda_graphs="uncaptured")
+    if adaptive:
+        engine.calibrate()
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
     for i, p in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, p, 24), f"prompt {i}"
