@@ -80,7 +80,7 @@ class Bucket:
         return self.rows * self.q
 
 
-class _Slot:
+class _BucketState:
     """One bucket's static layout and buffer (and, once captured, its graph)."""
 
     def __init__(self, bucket: Bucket, spare_slot: int, device: torch.device):
@@ -145,7 +145,7 @@ class StepGraphs:
         self.capture = capture
         self.enabled = True
         self.disabled_reason: str | None = None
-        self._slots: dict[Bucket, _Slot] = {}
+        self._states: dict[Bucket, _BucketState] = {}
         self._out: torch.Tensor | None = None        # [MAX_TOKENS, vocab], every graph's logits
         self.num_replays = 0                         # steps served by a graph (or its uncaptured twin)
         self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
@@ -176,9 +176,9 @@ class StepGraphs:
     def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """Logits of the step (as the eager forward returns them: every real token in row order for
         "all", each real row's last token for "last"), from the bucket's graph."""
-        slot = self._slots.get(bucket)
-        if slot is None:
-            slot = self._slots[bucket] = _Slot(bucket, self.spare_slot, self.device)
+        state = self._states.get(bucket)
+        if state is None:
+            state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
         rows, q = bucket.rows, bucket.q
         pad_rows = rows - len(slots)
         ids, positions, real = [], [], []
@@ -191,23 +191,23 @@ class StepGraphs:
         row_ends = [b * q + len(row) - 1 for b, row in enumerate(tokens)] + [b * q + q - 1 for b in range(len(tokens), rows)]
         host = torch.tensor(ids + slots + [self.spare_slot] * pad_rows + positions + row_ends + real, dtype=torch.long)
         staged = host.to(self.device)
-        fixed = slot.buffer.numel()
-        slot.buffer.copy_(staged[:fixed])
+        fixed = state.buffer.numel()
+        state.buffer.copy_(staged[:fixed])
         real_idx = staged[fixed:]
         self.num_replays += 1
         if self.capture is None:
-            self._run(slot)
+            self._run(state)
             return self._real(bucket, real_idx)
-        if slot.replay is None:
-            return self._capture(slot, real_idx)
-        slot.replay()
+        if state.replay is None:
+            return self._capture(state, real_idx)
+        state.replay()
         return self._real(bucket, real_idx)
 
-    def _run(self, slot: _Slot) -> None:
+    def _run(self, state: _BucketState) -> None:
         """The bucket's forward on its static buffers; its logits into the shared output buffer."""
-        lay = slot.layout
+        lay = state.layout
         mask, _ = attention_masks(lay, self.num_groups, self.dtype)
-        keep = 0 if slot.bucket.logits == "all" else lay.row_ends
+        keep = 0 if state.bucket.logits == "all" else lay.row_ends
         logits = self.forward_fn(lay, mask, keep)                              # [kept, vocab]
         if self._out is None:
             self._out = torch.empty(MAX_TOKENS, logits.shape[-1], dtype=logits.dtype, device=self.device)
@@ -216,39 +216,39 @@ class StepGraphs:
     def _real(self, bucket: Bucket, real_idx: torch.Tensor) -> torch.Tensor:
         return self._out[:bucket.tokens if bucket.logits == "all" else bucket.rows].index_select(0, real_idx)
 
-    def _capture(self, slot: _Slot, real_idx: torch.Tensor) -> torch.Tensor:
+    def _capture(self, state: _BucketState, real_idx: torch.Tensor) -> torch.Tensor:
         """First use of a bucket: run it uncaptured (the reference, and the warm-up, on a side stream),
         capture it, replay it, and keep the graph only if the replay reproduces the reference."""
         t0 = time.perf_counter()
         try:
-            return self._capture_checked(slot, real_idx)
+            return self._capture_checked(state, real_idx)
         finally:
             self.capture_s += time.perf_counter() - t0
 
-    def _capture_checked(self, slot: _Slot, real_idx: torch.Tensor) -> torch.Tensor:
-        self.capture.warm_up(lambda: self._run(slot))
-        reference = self._real(slot.bucket, real_idx).clone()
+    def _capture_checked(self, state: _BucketState, real_idx: torch.Tensor) -> torch.Tensor:
+        self.capture.warm_up(lambda: self._run(state))
+        reference = self._real(state.bucket, real_idx).clone()
         self._out.fill_(float("nan"))      # the replay must write every real row itself
         try:
-            replay = self.capture.capture(lambda: self._run(slot))
+            replay = self.capture.capture(lambda: self._run(state))
             replay()
         except Exception as exc:           # any failure to capture: eager from now on, never a wrong result
-            self._disable(f"capturing {slot.bucket} raised {type(exc).__name__}: {exc}")
+            self._disable(f"capturing {state.bucket} raised {type(exc).__name__}: {exc}")
             return reference
-        replayed = self._real(slot.bucket, real_idx)
+        replayed = self._real(state.bucket, real_idx)
         scale = reference.abs().max().clamp(min=1.0)
         if not bool(((replayed - reference).abs().max() <= 1e-3 * scale).item()):
-            self._disable(f"the replay of {slot.bucket} differs from its uncaptured run")
+            self._disable(f"the replay of {state.bucket} differs from its uncaptured run")
             return reference
-        slot.replay = replay
+        state.replay = replay
         return replayed
 
     def _disable(self, reason: str) -> None:
         self.enabled, self.disabled_reason = False, reason
-        self._slots.clear()
+        self._states.clear()
         warnings.warn(f"CUDA graphs off for this model: {reason}; its steps run eagerly", RuntimeWarning,
                       stacklevel=3)
 
     @property
     def num_graphs(self) -> int:
-        return sum(s.replay is not None for s in self._slots.values())
+        return sum(s.replay is not None for s in self._states.values())
