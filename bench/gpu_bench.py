@@ -37,6 +37,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.engine import EngineConfig, ModelRunner, NgramDrafter, SamplingParams, SpecEngine
+from pipeline.engine.cuda_graphs import UNCAPTURED
 from pipeline.models import DTYPES, ModelSpec, load_model
 
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -115,11 +116,11 @@ def floor(weight_bytes: int, kv_per_token: int, seqs_per_step: float, mean_conte
 def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max_len: int, g: int) -> SpecEngine:
     # the uncaptured dry run needs torch's attention: the graphs replay the model's own forward
     runner = ModelRunner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
-                         cpu_attention="off" if graphs == "uncaptured" else "auto")
+                         cpu_attention="off" if graphs == UNCAPTURED else "auto")
     ngram = NgramDrafter(2, 4, device=runner.device) if drafter == "ngram" else None
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, num_speculative_tokens=g,
                        max_prefill_tokens=4096, compile=compile,
-                       cuda_graphs="off" if graphs == "uncaptured" else graphs)   # uncaptured: the runner's CPU test mode
+                       cuda_graphs="off" if graphs == UNCAPTURED else graphs)   # not a config value
     return SpecEngine(runner, ngram, cfg, eos_token_ids=[])
 
 
@@ -141,6 +142,14 @@ def drive(engine: SpecEngine, prompts, params: SamplingParams, prefix: str, dead
     return counts
 
 
+def graph_stats(graphs) -> dict:
+    """The target runner's CUDA graphs so far (all zero where it has none)."""
+    if graphs is None:
+        return {"graphs_captured": 0, "graph_steps": 0, "graph_capture_s": 0.0, "graphs_off_because": None}
+    return {"graphs_captured": graphs.num_graphs, "graph_steps": graphs.num_replays,
+            "graph_capture_s": graphs.capture_s, "graphs_off_because": graphs.disabled_reason}
+
+
 def run_config(model, drafter: str, compile: str, graphs: str, batch: int, prompts, args, seconds: float,
                weight_bytes: int) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -151,20 +160,17 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     drive(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), "warm", float("inf"))
     warm_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    step_graphs = engine.target.graphs
-    capture_before = step_graphs.capture_s if step_graphs else 0.0
+    capture_before = graph_stats(engine.target.graphs)["graph_capture_s"]
     t0 = time.perf_counter()
     c = drive(engine, prompts, params, "p", t0 + seconds)
     wall = time.perf_counter() - t0
+    stats = graph_stats(engine.target.graphs)
     # graphs of buckets first met in the timed run are captured inside it (the warm-up's two prompts
     # meet few): tokens/s is given with and without those seconds
-    timed_capture_s = (step_graphs.capture_s if step_graphs else 0.0) - capture_before
+    timed_capture_s = stats["graph_capture_s"] - capture_before
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
-           "cuda_graphs": graphs, "graphs_captured": step_graphs.num_graphs if step_graphs else 0,
-           "graph_steps": step_graphs.num_replays if step_graphs else 0,
-           "graph_capture_s": step_graphs.capture_s if step_graphs else 0.0, "timed_capture_s": timed_capture_s,
+           "cuda_graphs": graphs, **stats, "timed_capture_s": timed_capture_s,
            "tokens_per_s_without_capture": c["emitted"] / max(wall - timed_capture_s, 1e-9),
-           "graphs_off_because": step_graphs.disabled_reason if step_graphs else None,
            "batch": batch, "warmup_s": warm_s, "wall_s": wall, "timed_out": c["finished"] < len(prompts),
            "num_prompts": len(prompts), **c, "tokens_per_s": c["emitted"] / wall, "steps_per_s": c["steps"] / wall,
            "seqs_per_step": c["rounds"] / max(c["steps"], 1),

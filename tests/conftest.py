@@ -34,6 +34,7 @@ torch.set_num_threads(1)
 
 from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
                              SamplingParams, SpecEngine, SuffixDrafter, SuffixParams)
+from pipeline.engine.cuda_graphs import UNCAPTURED
 from pipeline.engine.runner import cache_kwarg
 
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
@@ -93,7 +94,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
                        adaptive=adaptive, max_prefill_tokens=max_prefill_tokens, compile=compile,
                        cpu_attention=cpu_attention, cpu_linear=cpu_linear, prefix_reuse=prefix_reuse,
-                       cpu_decoder=cpu_decoder, cuda_graphs="auto" if cuda_graphs == "uncaptured" else cuda_graphs)
+                       cpu_decoder=cpu_decoder, cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
     # The runner regroups its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,

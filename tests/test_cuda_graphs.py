@@ -14,7 +14,7 @@ import torch
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import SamplingParams
-from pipeline.engine.cuda_graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, Bucket, policy
+from pipeline.engine.cuda_graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
 from pipeline.engine.runner import ModelRunner
 
 VOCAB = 512
@@ -24,7 +24,7 @@ def runners(num_slots: int, max_len: int):
     model = tiny_llama()
     make = lambda mode: ModelRunner(copy.deepcopy(model), num_slots, max_len, pack_linear=False,
                                     cpu_attention="off", cuda_graphs=mode)
-    return make("off"), make("uncaptured")
+    return make("off"), make(UNCAPTURED)
 
 
 def test_policy_and_store():
@@ -39,7 +39,7 @@ def test_policy_and_store():
     assert graphs.graphs is not None and graphs.graphs.capture is None
     assert graphs.cache.num_slots == 4 and graphs.cache.max_len == 100 + MAX_Q - 1   # spare slot, pad room
     # where our CPU kernels take every forward there is nothing for a graph to replay
-    assert ModelRunner(tiny_llama(), 2, 64, cuda_graphs="uncaptured").graphs is None
+    assert ModelRunner(tiny_llama(), 2, 64, cuda_graphs=UNCAPTURED).graphs is None
 
 
 def test_buckets():
@@ -64,7 +64,6 @@ def test_logits_equal_eager_over_a_run_of_steps():
     gen = torch.Generator().manual_seed(0)
     slots = [4, 0, 2]
     history = {s: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for s, n in zip(slots, (40, 7, 110))}
-    computed = {}
     for runner in (eager, graphs):
         runner.forward(slots, [0] * 3, [history[s] for s in slots], logits="none")
     computed = {s: len(history[s]) for s in slots}
@@ -72,7 +71,7 @@ def test_logits_equal_eager_over_a_run_of_steps():
         rows = slots if step % 3 else slots[:2]
         new = {s: torch.randint(0, VOCAB, (1 + (step + i) % 5,), generator=gen).tolist() for i, s in enumerate(rows)}
         for s in rows:                                   # never past max_model_len (the engine's bound)
-            new[s] = new[s][:max_len - computed[s]] or new[s][:0]
+            new[s] = new[s][:max_len - computed[s]]
         rows = [s for s in rows if new[s]]
         mode = "all" if step % 2 else "last"
         args = (rows, [computed[s] for s in rows], [new[s] for s in rows])
@@ -93,7 +92,7 @@ def test_greedy_identity_through_the_graph_path(kind, adaptive, target_model, dr
     forwards through the same path, and rows draft different lengths in one step."""
     prompts = mixed_prompts(12, target_model.config.vocab_size, seed=2)
     engine = make_engine(target_model, kind, draft_model, max_num_seqs=3, max_model_len=128, g=4,
-                         adaptive=adaptive, cpu_attention="off", cuda_graphs="uncaptured")
+                         adaptive=adaptive, cpu_attention="off", cuda_graphs=UNCAPTURED)
     if adaptive:
         engine.calibrate()
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
@@ -148,7 +147,7 @@ class RaisingCapture(RerunCapture):
 
 def graph_engine(target_model, draft_model, backend):
     engine = make_engine(target_model, "draft", draft_model, max_num_seqs=3, max_model_len=128, g=4,
-                         cpu_attention="off", cuda_graphs="uncaptured")
+                         cpu_attention="off", cuda_graphs=UNCAPTURED)
     for runner in (engine.target, engine.drafter.draft_runner):
         runner.graphs.capture = backend
     return engine

@@ -215,6 +215,7 @@ def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_
 def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_model_dir, ray_head, tmp_path):
     ids = _shards(tmp_path / "in", files=2, rows=10)
     with small_disk(8) as disk:
+        ballast = disk / "ballast"
         overrides = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(disk / "out"),
                                   f"cluster.address={ray_head.address}", "input.rows_per_unit=2",
                                   "sampling.max_tokens=24", "storage.retries=2", "storage.retry_backoff_s=0.1")
@@ -222,7 +223,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         _wait_for_markers(disk / "out" / "t", 2, job)
         # the disk fills up mid-run (unbuffered writes: a buffered file's close would retry the
         # write that hit ENOSPC and raise it here, depending on how full the last write found it)
-        fill_until_full(disk, chunk=1 << 16, name="ballast")
+        fill_until_full(disk, chunk=1 << 16, name=ballast.name)
         t_full = time.time()
         rc = job.wait(timeout=VERDICT_S + 60)
         assert rc == 1 and time.time() - t_full < VERDICT_S, job.output[-3000:]
@@ -230,7 +231,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         assert "No space left on device" in job.output and "no worker left" not in job.output
         for marker in (disk / "out" / "t" / "_committed").glob("*.json"):
             json.loads(marker.read_text())                     # every marker whole: none torn
-        (disk / "ballast").unlink()                            # space is freed; the same command resumes
+        ballast.unlink()                                       # space is freed; the same command resumes
         rerun = Job(tmp_path, overrides, name="rerun")
         assert rerun.wait(timeout=300) == 0, rerun.output[-3000:]
         _check_exactly_once(read_run(disk / "out" / "t"), ids)

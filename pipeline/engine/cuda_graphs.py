@@ -50,6 +50,7 @@ import torch
 from .kv_cache import StepLayout, attention_masks
 
 MODES = ("auto", "on", "off")
+UNCAPTURED = "uncaptured"  # a runner's mode, not a config value: the padded forward without capture (CPU tests)
 MAX_Q = 8                 # tokens per row in a graph: a verify step of up to 7 draft tokens
 MAX_TOKENS = 512          # rows x tokens per row in a graph; larger steps are compute-bound anyway
 MIN_KEYS = 256            # the smallest keys bucket

@@ -19,7 +19,7 @@ from .cpu_fused import fuse
 from .cpu_fused import policy as cpu_fused_policy
 from .cpu_linear import can_pack, pack_linears, panel_linears
 from .cpu_linear import policy as cpu_linear_policy
-from .cuda_graphs import CudaCapture, StepGraphs
+from .cuda_graphs import UNCAPTURED, CudaCapture, StepGraphs
 from .cuda_graphs import policy as cuda_graphs_policy
 from .flex import capacity, flex_unavailable, prefer_flex
 from .kv_cache import ATTENTION_NAME, SlotKVCache, attention_masks, make_layout, register_attention
@@ -70,11 +70,11 @@ class ModelRunner:
         # on CPU: our C attention kernel (cpu_attention.py), each row reading its own keys; None where
         # it is off or cannot be used (then flex or padded SDPA, as above)
         self.cpu_attention = cpu_attention_policy(cpu_attention, self.device, self.dtype, head_dim)
-        # CUDA graphs (cuda_graphs.py): "uncaptured" runs their padded forward without capturing, which is
+        # CUDA graphs (cuda_graphs.py): UNCAPTURED runs their padded forward without capturing, which is
         # how the tests check it on CPU. The graphs' pad rows and tokens need one spare slot and a few
         # positions past max_model_len.
-        capture = cuda_graphs != "uncaptured" and cuda_graphs_policy(cuda_graphs, self.device)
-        graphs = capture or cuda_graphs == "uncaptured"
+        capture = cuda_graphs != UNCAPTURED and cuda_graphs_policy(cuda_graphs, self.device)
+        graphs = capture or cuda_graphs == UNCAPTURED
         store_slots = StepGraphs.store_rows(num_slots) if graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if graphs else max_model_len
         self.cache = SlotKVCache(cfg.num_hidden_layers, store_slots, cfg.num_key_value_heads,
