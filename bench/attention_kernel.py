@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.engine import cpu_kernels
-from pipeline.engine.cpu_attention import SOURCE, CpuAttention, reference
+from pipeline.engine.backends.cpu import build as cpu_kernels
+from pipeline.engine.backends.cpu.attention import SOURCE, CpuAttention, reference
 
 SHAPES = {"prefill": [(0, 256)] * 8, "decode": [(330 + i % 30, 1) for i in range(64)],
           "verify": [(300 + i % 30, 5) for i in range(32)]}

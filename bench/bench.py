@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.run_one import MODELS
-from pipeline.hardware import resolve_dtype
+from pipeline.loading.hardware import resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
@@ -86,7 +86,7 @@ def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: lis
 def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int, out: Path,
              common: list[str], prefix_cache: str = "on") -> dict[str, list[dict]]:
     """vLLM's CPU build in its own venv: one load, batch all and batch 1, `repeats` times each."""
-    from pipeline.models import resolve_hf_dir
+    from pipeline.loading.models import resolve_hf_dir
     arg = lambda k: common[common.index(k) + 1]
     target, draft = MODELS[model]
     cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
@@ -118,7 +118,7 @@ def _run(cmd: list[str], out: Path, env: dict) -> dict:
 def predicted_speedup(spec: dict, base: dict) -> float | None:
     """Our cost model: time = sum over steps of V(target tokens) + draft steps x D(batch) (n-gram:
     its measured lookup time), with V, D the calibrated curves of the speculative run's process."""
-    from pipeline.engine.adaptive import CostModel
+    from pipeline.engine.drafting.adaptive import CostModel
     if not spec.get("verify_curve") or not spec.get("steps") or not base.get("steps"):
         return None
     cm = CostModel()
@@ -276,7 +276,7 @@ def _timed(fn) -> float:
 def num_params(model: str) -> int:
     """Weights the forward multiplies by (the target's safetensors; a tied head counted once, as used)."""
     from safetensors import safe_open
-    from pipeline.models import resolve_hf_dir
+    from pipeline.loading.models import resolve_hf_dir
     total = 0
     for f in resolve_hf_dir(MODELS[model][0]).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:

@@ -15,9 +15,9 @@ import json
 
 import torch
 
-from pipeline.config import EngineSection, ModelsConfig, SuffixSection
+from pipeline.job.config import EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
-from pipeline.runtime import build_engine
+from pipeline.job.runtime import build_engine
 
 
 def analyse(rounds) -> dict:

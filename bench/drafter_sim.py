@@ -23,9 +23,9 @@ import argparse
 import json
 from collections import deque
 
-from pipeline.engine.drafters import NgramDrafter
-from pipeline.engine.request import SamplingParams, Sequence
-from pipeline.engine.suffix import SuffixDrafter, SuffixParams
+from pipeline.engine.drafting.ngram import NgramDrafter
+from pipeline.engine.core.request import SamplingParams, Sequence
+from pipeline.engine.drafting.suffix import SuffixDrafter, SuffixParams
 
 
 def replay(drafter, prompts: list[list[int]], outputs: list[list[int]], batch: int, g: int) -> dict:

@@ -37,8 +37,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.engine import EngineConfig, ModelRunner, NgramDrafter, SamplingParams, SpecEngine
-from pipeline.engine.cuda_graphs import UNCAPTURED
-from pipeline.models import DTYPES, ModelSpec, load_model
+from pipeline.engine.backends.cuda.graphs import UNCAPTURED
+from pipeline.loading.models import DTYPES, ModelSpec, load_model
 
 H200_HBM_BYTES_PER_S = 4.8e12
 SHAPES = {   # name -> (model class, config); random-init, the real models' shapes

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeline.engine.cpu_linear import PackedLinear, PanelLinear, policy
+from pipeline.engine.backends.cpu.linear import PackedLinear, PanelLinear, policy
 
 SHAPES = {   # (out, in, count)
     "qwen-mlp": [(8960, 1536, 8)],

@@ -12,7 +12,7 @@ import argparse
 import json
 
 from bench.prompts import build_prompt_ids, load_prompt_set
-from pipeline.models import ModelSpec, load_model
+from pipeline.loading.models import ModelSpec, load_model
 
 
 def interleaved(n: int) -> list[dict]:

@@ -14,8 +14,8 @@ import argparse
 import json
 
 from bench.prompts import build_prompt_ids
-from pipeline.models import ModelSpec, load_model
-from pipeline.synthetic import expand, load_seeds, load_synthetic_config
+from pipeline.loading.models import ModelSpec, load_model
+from pipeline.synthetic.job import expand, load_seeds, load_synthetic_config
 
 
 def main() -> None:

@@ -60,9 +60,9 @@ def job_overrides(args, workers: int, threads: int, out: Path) -> list[str]:
 def run_engine(args, threads: int) -> dict:
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.job.config import load_config
     from pipeline.engine import SamplingParams
-    from pipeline.runtime import build_engine, prompt_ids
+    from pipeline.job.runtime import build_engine, prompt_ids
     torch.set_num_threads(threads)
     cfg = load_config(None, job_overrides(args, 1, threads, Path("/tmp/unused")))
     loaded = build_engine(cfg.models, cfg.engine)
@@ -89,7 +89,7 @@ def run_job_once(args, workers: int, threads: int) -> dict:
     import shutil
 
     from pipeline.cluster.driver import run_job
-    from pipeline.config import load_config
+    from pipeline.job.config import load_config
     out = Path(args.work) / f"out-{os.getpid()}"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -38,7 +38,8 @@ def make_file(path: Path, rows: int) -> None:
 
 
 def stream(path: str, dup_check: bool) -> dict:
-    from pipeline.config import InputConfig, StorageConfig
+    from pipeline.io.reader import InputConfig
+    from pipeline.io.storage import StorageConfig
     from pipeline.io.reader import iter_rows, plan_units
     t0 = time.perf_counter()
     storage = StorageConfig()

@@ -18,11 +18,11 @@ import time
 import torch
 
 from bench import hf_baselines
-from pipeline.config import DRAFT_MODEL_KINDS, EngineSection, ModelsConfig, SuffixSection
+from pipeline.job.config import DRAFT_MODEL_KINDS, EngineSection, ModelsConfig, SuffixSection
 from pipeline.engine import SamplingParams
-from pipeline.hardware import resolve_dtype
-from pipeline.models import ModelSpec, load_model
-from pipeline.runtime import build_engine
+from pipeline.loading.hardware import resolve_dtype
+from pipeline.loading.models import ModelSpec, load_model
+from pipeline.job.runtime import build_engine
 
 MODELS = {   # name -> (target, draft)
     "smollm2": ("smollm2-135m-instruct", None),

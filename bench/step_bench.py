@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from pipeline.engine.runner import ModelRunner
-from pipeline.models import ModelSpec, load_model
+from pipeline.engine.model.runner import ModelRunner
+from pipeline.loading.models import ModelSpec, load_model
 
 WORKLOADS = {
     "uniform": [150 + 3 * i for i in range(32)],

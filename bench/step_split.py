@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from pipeline.engine import cpu_attention, cpu_linear
-from pipeline.engine.runner import ModelRunner
-from pipeline.models import ModelSpec, load_model
+from pipeline.engine.backends.cpu import attention as cpu_attention, linear as cpu_linear
+from pipeline.engine.model.runner import ModelRunner
+from pipeline.loading.models import ModelSpec, load_model
 
 SPENT: collections.Counter = collections.Counter()
 

@@ -25,8 +25,8 @@ import time
 import tracemalloc
 
 from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
-from pipeline.engine.suffix import SuffixCache
-from pipeline.engine.request import Sequence
+from pipeline.engine.drafting.suffix import SuffixCache
+from pipeline.engine.core.request import Sequence
 
 VOCAB = 49152
 

@@ -18,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.errors import ConfigError
+from pipeline.job.config import load_config  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
         return 2
     from pipeline.cli import run_job_guarded
     from pipeline.cluster.driver import run_job
-    from pipeline.report import print_summary
+    from pipeline.report.summary import print_summary
     code, summary = run_job_guarded(lambda stop: run_job(cfg, stop), f"resume with: {resume_command(argv)}")
     if code:
         return code

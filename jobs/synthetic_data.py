@@ -22,9 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.config import ConfigError  # noqa: E402
-from pipeline.schedule import ScheduleError  # noqa: E402
-from pipeline.synthetic import SeedError, load_synthetic_config, plan_slot, resolve_slot  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
+from pipeline.synthetic.schedule import ScheduleError  # noqa: E402
+from pipeline.synthetic.job import SeedError, load_synthetic_config, plan_slot, resolve_slot  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
 
 def run(plan, show: int) -> int:
     from pipeline.cli import run_job_guarded
-    from pipeline.report import print_summary
-    from pipeline.synthetic import run_slot
+    from pipeline.report.summary import print_summary
+    from pipeline.synthetic.job import run_slot
     code, result = run_job_guarded(lambda stop: run_slot(plan, stop), "rerun the same command to resume")
     if code:
         return code

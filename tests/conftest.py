@@ -32,10 +32,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 # the two cores are shared with other processes.
 torch.set_num_threads(1)
 
-from pipeline.engine import (DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter,
-                             SamplingParams, SpecEngine, SuffixDrafter, SuffixParams)
-from pipeline.engine.cuda_graphs import UNCAPTURED
-from pipeline.engine.runner import cache_kwarg
+from pipeline.engine import DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter, SamplingParams, SpecEngine, SuffixDrafter, SuffixParams
+from pipeline.engine.backends.cuda.graphs import UNCAPTURED
+from pipeline.engine.model.runner import cache_kwarg
 
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
 
@@ -190,7 +189,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random-init Llama (fp32 safetensors) with the real SmolLM2 tokenizer and chat
     template: real text prompts, fake weights. Greedy outputs are varied (init range 0.7)."""
-    from pipeline.models import resolve_hf_dir
+    from pipeline.loading.models import resolve_hf_dir
     src = resolve_hf_dir("smollm2-135m-instruct")
     out = tmp_path_factory.mktemp("tiny-smollm")
     for name in TOKENIZER_FILES:

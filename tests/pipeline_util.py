@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import load_config
+from pipeline.job.config import load_config
 
 WORDS = ("river stone cloud lamp garden violin harbor pencil meadow rocket copper lantern orbit "
          "maple canyon ember falcon quartz willow saffron").split()

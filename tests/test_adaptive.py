@@ -8,9 +8,9 @@ import torch
 
 from conftest import dynamic_cache_keys, greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
-from pipeline.engine.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
-from pipeline.engine.drafters import draft_lag
-from pipeline.engine.request import Sequence
+from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
+from pipeline.engine.drafting.draft_model import draft_lag
+from pipeline.engine.core.request import Sequence
 
 
 def costs(verify: list[tuple[int, float]], draft: list[tuple[int, float]]) -> CostModel:

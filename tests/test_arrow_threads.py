@@ -21,8 +21,10 @@ import pytest
 from fsspec.implementations.local import LocalFileOpener
 from fsspec.implementations.memory import MemoryFile
 
-from pipeline import quality, report, synthetic
-from pipeline.config import InputConfig, StorageConfig
+from pipeline.synthetic import quality, job as synthetic
+from pipeline.report import summary as report
+from pipeline.io.reader import InputConfig
+from pipeline.io.storage import StorageConfig
 from pipeline.io.reader import iter_rows, plan_units
 from pipeline.io.schema import to_table
 from pipeline.io.writer import RunOutput

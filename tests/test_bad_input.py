@@ -3,8 +3,7 @@ other sequences in the batch."""
 import pytest
 
 from conftest import make_engine, mixed_prompts, run_requests, tiny_llama
-from pipeline.engine import (DraftModelDrafter, EngineConfig, ModelRunner, RequestError, SamplingParams,
-                             SpecEngine)
+from pipeline.engine import DraftModelDrafter, EngineConfig, ModelRunner, RequestError, SamplingParams, SpecEngine
 
 
 @pytest.mark.parametrize("kwargs, field, expected", [

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from pipeline.engine import cpu_attention, cpu_kernels
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.backends.cpu import attention as cpu_attention, build as cpu_kernels
+from pipeline.engine.model.runner import ModelRunner
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,

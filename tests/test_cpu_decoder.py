@@ -14,8 +14,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from pipeline.engine import cpu_decoder, cpu_fused, cpu_kernels, cpu_linear
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.backends.cpu import decoder as cpu_decoder, fused as cpu_fused, build as cpu_kernels, linear as cpu_linear
+from pipeline.engine.model.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C compiler here: the kernels cannot be built")

@@ -14,8 +14,8 @@ from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from conftest import tiny_llama
-from pipeline.engine import cpu_fused, cpu_kernels
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.backends.cpu import fused as cpu_fused, build as cpu_kernels
+from pipeline.engine.model.runner import ModelRunner
 
 # Only a missing compiler skips: kernels that build but fail their self-check fail these tests.
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from conftest import mixed_prompts, tiny_llama
-from pipeline.config import ConfigError, load_config
-from pipeline.engine import cpu_attention, cpu_kernels, cpu_linear
+from pipeline.errors import ConfigError
+from pipeline.job.config import load_config
+from pipeline.engine.backends.cpu import attention as cpu_attention, build as cpu_kernels, linear as cpu_linear
 from pipeline.engine.engine import EngineConfig
-from pipeline.engine.runner import ModelRunner
-from pipeline.hardware import cpu_flags
+from pipeline.engine.model.runner import ModelRunner
+from pipeline.loading.hardware import cpu_flags
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,

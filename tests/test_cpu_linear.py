@@ -12,8 +12,8 @@ from torch import nn
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import ModelRunner, SamplingParams
-from pipeline.engine.cpu_kernels import compiler
-from pipeline.engine.cpu_linear import PackedLinear, can_pack, pack_linears
+from pipeline.engine.backends.cpu.build import compiler
+from pipeline.engine.backends.cpu.linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="oneDNN not available in this torch build")

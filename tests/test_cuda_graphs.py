@@ -14,8 +14,8 @@ import torch
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import SamplingParams
-from pipeline.engine.cuda_graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.backends.cuda.graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
+from pipeline.engine.model.runner import ModelRunner
 
 VOCAB = 512
 
@@ -107,7 +107,8 @@ def test_greedy_identity_through_the_graph_path(kind, adaptive, target_model, dr
 
 
 def test_config_key(tmp_path):
-    from pipeline.config import ConfigError, hashed_tree, load_config
+    from pipeline.errors import ConfigError
+    from pipeline.job.config import hashed_tree, load_config
     path = tmp_path / "c.yaml"
     path.write_text("engine:\n  cuda_graphs: off\n")
     cfg = load_config(str(path))

@@ -9,8 +9,7 @@ import re
 import pytest
 
 from conftest import DRAFTERS, make_engine, mixed_prompts, run_requests
-from pipeline.engine import (DraftBatch, Drafter, DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner,
-                             NgramDrafter, NoDrafter, SamplingParams, SpecEngine)
+from pipeline.engine import DraftBatch, Drafter, DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter, NoDrafter, SamplingParams, SpecEngine
 from pipeline.engine import engine as engine_module
 
 

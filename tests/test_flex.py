@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_llama
-from pipeline.engine import flex as flex_mod
-from pipeline.engine.flex import BLOCK, block_tables, capacity, prefer_flex, slot_flex_attention
-from pipeline.engine.runner import ModelRunner, flex_policy
+from pipeline.engine.backends import flex as flex_mod
+from pipeline.engine.backends.flex import BLOCK, block_tables, capacity, prefer_flex, slot_flex_attention
+from pipeline.engine.model.runner import ModelRunner, flex_policy
 
 
 def dense_allowed(slot_start, slot_new, max_q, cap):
@@ -106,7 +106,8 @@ def test_runner_logits_equal_eager(compile):
 
 def test_compile_key_in_yaml_and_overrides(tmp_path):
     """A bare on/off is a YAML 1.1 boolean: it still means the mode; anything else is named."""
-    from pipeline.config import ConfigError, load_config
+    from pipeline.errors import ConfigError
+    from pipeline.job.config import load_config
     path = tmp_path / "c.yaml"
     path.write_text("engine:\n  compile: off\n")
     assert load_config(str(path)).engine.compile == "off"

@@ -156,7 +156,7 @@ def test_bf16_agrees_with_fp32_on_first_tokens(compile, cuda_target, cuda_draft)
 def test_real_model_greedy_identity_on_cuda(compile):
     """A real checkpoint in fp32: the engine with the n-gram drafter equals HF generate on CUDA, up to
     near-ties of its own top-2 logits (fp64 head on the same device)."""
-    from pipeline.models import ModelSpec, load_model
+    from pipeline.loading.models import ModelSpec, load_model
     model, tokenizer = load_model(ModelSpec(os.environ[MODEL_DIR_ENV], "float32", "cuda"))
     vocab = min(len(tokenizer), model.config.vocab_size)
     prompts = mixed_prompts(8, vocab, seed=5)

@@ -3,9 +3,9 @@ this machine, the config default, and the resolved dtype reaching the loaded eng
 import pytest
 import torch
 
-from pipeline.config import EngineSection, ModelsConfig
-from pipeline.hardware import (DtypeChoice, cpu_flags, proc_cpuinfo_flags, resolve_dtype)
-from pipeline.report import model_lines
+from pipeline.job.config import EngineSection, ModelsConfig
+from pipeline.loading.hardware import DtypeChoice, cpu_flags, proc_cpuinfo_flags, resolve_dtype
+from pipeline.report.summary import model_lines
 
 AVX2 = {"avx", "avx2", "fma"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_f", "avx512_bw", "avx512_vnni"}
@@ -73,7 +73,7 @@ def test_auto_is_the_config_default():
 
 
 def test_build_engine_loads_in_the_resolved_dtype(tiny_model_dir):
-    from pipeline.runtime import build_engine
+    from pipeline.job.runtime import build_engine
     loaded = build_engine(ModelsConfig(target=str(tiny_model_dir), drafter="ngram"),
                           EngineSection(max_num_seqs=2, max_model_len=64))
     assert loaded.dtype == resolve_dtype("auto", "cpu")
@@ -90,7 +90,8 @@ def test_summary_names_each_dtype_choice():
 
 # ---- models.draft_dtype: the draft model's own dtype ----------------------------------------------
 def test_draft_dtype_defaults_to_auto_and_hashes_only_when_it_matters():
-    from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
+    from pipeline.errors import ConfigError
+    from pipeline.job.config import config_hash, hashed_tree, load_config
     assert ModelsConfig().draft_dtype == "auto"
     with pytest.raises(ConfigError, match=r"models\.draft_dtype.*'fp8'"):
         ModelsConfig(draft_dtype="fp8")
@@ -107,7 +108,7 @@ def test_draft_dtype_defaults_to_auto_and_hashes_only_when_it_matters():
 
 
 def test_resolve_draft_dtype():
-    from pipeline.runtime import resolve_draft_dtype
+    from pipeline.job.runtime import resolve_draft_dtype
     target = DtypeChoice("float32", "auto: CPU has no avx512_bf16/amx_bf16")
     assert resolve_draft_dtype(ModelsConfig(draft_dtype="same"), target) == DtypeChoice(
         "float32", "same as the target's: auto: CPU has no avx512_bf16/amx_bf16")
@@ -120,7 +121,7 @@ def test_a_bf16_draft_beside_an_fp32_target_keeps_greedy_output(tiny_model_dir):
     (the verifier never trusts the draft's precision); drafts are still accepted."""
     from conftest import run_requests
     from pipeline.engine import SamplingParams
-    from pipeline.runtime import build_engine
+    from pipeline.job.runtime import build_engine
     section = EngineSection(max_num_seqs=3, max_model_len=96)
     spec = build_engine(ModelsConfig(target=str(tiny_model_dir), draft=str(tiny_model_dir), drafter="draft",
                                      dtype="float32", draft_dtype="bfloat16"), section)

@@ -38,10 +38,11 @@ import jsonschema
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_config
-from pipeline.models import SHIPPED_MODELS
-from pipeline.schedule import parse_cron, parse_slot, zone
-from pipeline.synthetic import load_synthetic_config, resolve_slot
+from pipeline.errors import ConfigError
+from pipeline.job.config import load_config
+from pipeline.loading.models import SHIPPED_MODELS
+from pipeline.synthetic.schedule import parse_cron, parse_slot, zone
+from pipeline.synthetic.job import load_synthetic_config, resolve_slot
 from pipeline_util import manifest, prompt_rows, read_run, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import InputConfig, StorageConfig
+from pipeline.io.reader import InputConfig
+from pipeline.io.storage import StorageConfig
 from pipeline.io import reader
 from pipeline.io.reader import InputError, iter_rows, plan_units
 from pipeline.io.schema import to_table

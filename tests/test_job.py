@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import main
-from pipeline.config import ConfigError, config_hash, hashed_tree, load_config, redacted
-from pipeline.hardware import resolve_dtype
+from pipeline.errors import ConfigError
+from pipeline.job.config import config_hash, hashed_tree, load_config, redacted
+from pipeline.loading.hardware import resolve_dtype
 
 
 @pytest.mark.parametrize("override, key", [

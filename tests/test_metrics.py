@@ -15,7 +15,7 @@ import pytest
 from conftest import TOKENIZER_FILES, RayHead, free_port, noisy_copy, tiny_llama
 from pipeline.cluster.driver import run_job
 from pipeline.cluster.metrics import Tally, TokenRate, WorkerMetrics
-from pipeline.config import config_hash, load_config
+from pipeline.job.config import config_hash, load_config
 from pipeline_util import job_config, read_run
 
 SERIES = re.compile(r'^(\w+)\{(.*)\} (\S+)$')

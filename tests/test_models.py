@@ -12,13 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
-from pipeline import models
-from pipeline.models import (
-    ModelSpec,
-    assemble_chunks,
-    check_vocab_compatible,
-    reject_unsupported,
-)
+from pipeline.loading import models
+from pipeline.loading.models import ModelSpec, assemble_chunks, check_vocab_compatible
+from pipeline.engine.model.hf_config import reject_unsupported
 
 DEMO = "smollm2-135m-instruct"
 

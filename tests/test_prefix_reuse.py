@@ -9,8 +9,8 @@ import torch
 
 from conftest import greedy_reference, make_engine, run_requests, top2_gap
 from pipeline.engine import DraftModelDrafter, ModelRunner, SamplingParams
-from pipeline.engine.prefix import PrefixIndex, Reuse, _bytes, common_prefix
-from pipeline.engine.request import Sequence
+from pipeline.engine.core.prefix import PrefixIndex, Reuse, _bytes, common_prefix
+from pipeline.engine.core.request import Sequence
 
 MAX_NEW, NEAR_TIE = 16, 1e-3
 

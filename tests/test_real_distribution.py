@@ -42,7 +42,7 @@ import torch
 from scipy import stats
 
 from pipeline.engine import EngineConfig, ModelRunner, NgramDrafter, SamplingParams, SpecEngine
-from pipeline.engine import verify as verify_module
+from pipeline.engine.core import verify as verify_module
 
 MODEL = "smollm2-135m-instruct"
 LENGTH, N, N_NONE, N_MUTANT, ALPHA, MIN_EXPECTED = 3, 300, 100, 260, 1e-4, 5
@@ -60,7 +60,7 @@ SEED_BASE = {"ngram": 0, "none": 1_000_000, "mutant": 2_000_000}   # disjoint se
 
 @pytest.fixture(scope="module")
 def smollm():
-    from pipeline.models import ModelSpec, check_source, load_model
+    from pipeline.loading.models import ModelSpec, check_source, load_model
     try:
         check_source(MODEL)
     except FileNotFoundError as e:
@@ -71,14 +71,14 @@ def smollm():
 
 @pytest.fixture(scope="module")
 def prompts(smollm):
-    from pipeline.runtime import prompt_ids
+    from pipeline.job.runtime import prompt_ids
     _, tokenizer = smollm
     return {name: prompt_ids(tokenizer, messages=[SYSTEM, *chat]) for name, chat in CHATS.items()}
 
 
 @pytest.fixture(scope="module")
 def eos(smollm):
-    from pipeline.runtime import eos_ids
+    from pipeline.job.runtime import eos_ids
     return eos_ids(*smollm)
 
 

@@ -7,9 +7,9 @@ import os
 import pandas as pd
 import pytest
 
-from pipeline import report, report_plots
-from pipeline import report_stats as st
-from pipeline.config import StorageConfig
+from pipeline.report import summary as report, plots as report_plots
+from pipeline.report import stats as st
+from pipeline.io.storage import StorageConfig
 from pipeline.io.schema import to_table
 from pipeline.io.writer import RunOutput
 

@@ -1,6 +1,6 @@
 """Continuous batching bookkeeping, in plain Python (no torch, no model)."""
-from pipeline.engine.request import SamplingParams, Sequence, Status
-from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.core.request import SamplingParams, Sequence, Status
+from pipeline.engine.core.scheduler import Scheduler
 
 
 def seq(i, prompt_len=5):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from pipeline.engine.kv_cache import make_layout
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.kv.layout import make_layout
+from pipeline.engine.model.runner import ModelRunner
 
 
 def test_layout_splits_only_when_few_rows_have_more_than_one_token():
@@ -19,7 +19,7 @@ def test_layout_splits_only_when_few_rows_have_more_than_one_token():
     assert make_layout([0, 1, 2, 3], [5] * 4, one * 2 + [[7, 8]] * 2, "cpu").split is not None
     assert make_layout([0, 1, 2, 3], [5] * 4, one + [[7, 8]] * 3, "cpu").split is None    # most rows draft
     assert make_layout([0, 1, 2, 3], [5] * 4, one * 4, "cpu").split is None               # nothing to split
-    assert make_layout([0, 1, 2, 3], [5] * 4, one * 3 + [[7, 8]], "cpu", (8, 128)).split is None  # flex
+    assert make_layout([0, 1, 2, 3], [5] * 4, one * 3 + [[7, 8]], "cpu", flex=True).split is None  # flex
     lay = make_layout([3, 0, 2], [10, 20, 30], [[1], [2, 3, 4], [5]], "cpu")
     s = lay.split
     assert s.row_starts.tolist() == [0, 1, 4] and s.multi.tolist() == [1]

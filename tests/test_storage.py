@@ -11,13 +11,16 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError, InputConfig, StorageConfig, load_config
+from pipeline.errors import ConfigError
+from pipeline.io.reader import InputConfig
+from pipeline.io.storage import StorageConfig
+from pipeline.job.config import load_config
 from pipeline.io import lease as lease_mod
 from pipeline.io.lease import LeaseHeld, acquire, owner_info
 from pipeline.io.reader import InputError, check_output_outside_input, plan_units
 from pipeline.io.storage import RetryPolicy, StorageError, create_exclusive, put_atomic, retrying
 from pipeline.io.writer import OutputError, RunOutput
-from pipeline.report import load
+from pipeline.report.summary import load
 from pipeline_util import prompt_rows, write_parquet
 from test_io import _tables
 

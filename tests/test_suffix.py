@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conftest import greedy_reference, make_engine, run_requests
-from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
+from pipeline.errors import ConfigError
+from pipeline.job.config import config_hash, hashed_tree, load_config
 from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
-from pipeline.engine.request import Sequence
-from pipeline.engine.suffix import RequestIndex, SuffixCache, SuffixTrie
+from pipeline.engine.core.request import Sequence
+from pipeline.engine.drafting.suffix import RequestIndex, SuffixCache, SuffixTrie
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

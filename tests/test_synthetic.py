@@ -25,12 +25,13 @@ import pytest
 import yaml
 
 from jobs.synthetic_data import main
-from pipeline.config import ConfigError, config_hash, hashed_tree, load_config
+from pipeline.errors import ConfigError
+from pipeline.job.config import config_hash, hashed_tree, load_config
 from pipeline.io.reader import InputError, plan_units
-from pipeline.quality import quality_flags, text_key
-from pipeline.rows import passthrough
-from pipeline.schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
-from pipeline.synthetic import ScheduleConfig, expand, load_seeds, load_synthetic_config, plan_slot, resolve_slot
+from pipeline.synthetic.quality import quality_flags, text_key
+from pipeline.job.rows import passthrough
+from pipeline.synthetic.schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
+from pipeline.synthetic.job import ScheduleConfig, expand, load_seeds, load_synthetic_config, plan_slot, resolve_slot
 from test_s3 import BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine.logits import RowParams, processed_probs
-from pipeline.engine.request import SamplingParams
-from pipeline.engine.verify import SparseProbs, sample_from_probs, verify
+from pipeline.engine.core.sampling import RowParams, processed_probs
+from pipeline.engine.core.request import SamplingParams
+from pipeline.engine.core.verify import SparseProbs, sample_from_probs, verify
 
 N, G, VOCAB, ALPHA = 200_000, 2, 8, 1e-5
 
@@ -167,13 +167,13 @@ def test_greedy_rows_are_onehot_on_penalised_argmax():
 
 def test_greedy_fast_path_equals_general_verifier():
     """verify_greedy (argmax only) must agree with verify's greedy rule on a ragged batch."""
-    from pipeline.engine.verify import verify_greedy
+    from pipeline.engine.core.verify import verify_greedy
     gen = torch.Generator().manual_seed(9)
     num_draft = torch.tensor([0, 3, 1, 4, 2])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), num_draft.cumsum(0)])
     p = torch.randn(int(cu[-1]) + len(num_draft), 6, generator=gen).softmax(-1)
     target_argmax = p.argmax(-1)
-    _, _, target_row = __import__("pipeline.engine.verify", fromlist=["_flat_index"])._flat_index(cu)
+    _, _, target_row = __import__("pipeline.engine.core.verify", fromlist=["_flat_index"])._flat_index(cu)
     # drafts agree with the target's argmax about half the time
     drafts = torch.where(torch.rand(int(cu[-1]), generator=gen) < 0.6, target_argmax[target_row],
                          torch.randint(0, 6, (int(cu[-1]),), generator=gen))

@@ -24,10 +24,17 @@ import time
 import ray
 from tqdm import tqdm
 
-from ..config import ClusterConfig, JobConfig, config_hash, hashed_tree, redacted, uses_draft_model
 from ..io.lease import LeaseHeld, acquire, owner_info
 from ..io.reader import InputError, Unit, check_output_outside_input, plan_units
 from ..io.writer import RunOutput
+from ..job.config import (
+    ClusterConfig,
+    JobConfig,
+    config_hash,
+    hashed_tree,
+    redacted,
+    uses_draft_model,
+)
 from .pool import LoadFailed, WorkerPool
 
 # Driver wake-ups cost the workers' time on small machines (a woken process preempts a spinning
@@ -156,7 +163,7 @@ def _run_leased(cfg, out: RunOutput, units: list[Unit], lease, stop: StopRequest
 
 def check_models(cfg: JobConfig) -> None:
     """The target (and draft) exist and hold safetensors/GGUF weights, before any actor starts."""
-    from ..models import check_source
+    from ..loading.models import check_source
     sources = [("models.target", cfg.models.target)]
     if uses_draft_model(cfg.models):
         sources.append(("models.draft", cfg.models.draft))

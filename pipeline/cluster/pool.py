@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from ..config import JobConfig
 from ..io.reader import Unit
+from ..job.config import JobConfig
 from .worker import GenerationWorker, WorkerBroken
 
 STARTING, READY, GONE = "starting", "ready", "gone"

@@ -21,12 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from ..config import JobConfig, config_hash
 from ..engine import Completion, RequestError, RoundRecord
 from ..io.reader import Unit, iter_rows
 from ..io.schema import to_table
 from ..io.writer import RunOutput
-from ..rows import RowError, default_id, passthrough, row_request
+from ..job.config import JobConfig, config_hash
+from ..job.rows import RowError, default_id, passthrough, row_request
 from .metrics import WorkerMetrics
 
 
@@ -86,7 +86,7 @@ class GenerationWorker:
     def _load(self) -> dict:
         import torch
 
-        from ..runtime import build_engine
+        from ..job.runtime import build_engine
         if self.cfg.debug.hang_load and self._is_first_w0:
             threading.Event().wait()                    # drill: a load that never returns
         t0 = time.perf_counter()

@@ -1,9 +1,13 @@
 """The speculative decoding engine. See engine.py for the round and the glossary."""
-from .drafters import DraftBatch, Drafter, DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
-from .engine import Completion, EngineConfig, RoundRecord, SpecEngine, StepOutput
-from .request import RequestError, SamplingParams
-from .runner import ModelRunner
-from .suffix import SuffixDrafter, SuffixParams
+from .config import EngineConfig
+from .core.request import RequestError, SamplingParams
+from .drafting.base import DraftBatch, Drafter, NoDrafter
+from .drafting.draft_model import DraftModelDrafter
+from .drafting.hybrid import HybridDrafter
+from .drafting.ngram import NgramDrafter
+from .drafting.suffix import SuffixDrafter, SuffixParams
+from .engine import Completion, RoundRecord, SpecEngine, StepOutput
+from .model.runner import ModelRunner
 
 __all__ = ["Completion", "DraftBatch", "Drafter", "DraftModelDrafter", "EngineConfig", "HybridDrafter",
            "ModelRunner", "NgramDrafter", "NoDrafter", "RequestError", "RoundRecord", "SamplingParams", "SpecEngine",

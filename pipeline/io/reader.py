@@ -16,14 +16,51 @@ import itertools
 import json
 import posixpath
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Iterator, Optional
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..config import InputConfig, StorageConfig
-from .storage import arrow_input
+from ..errors import ConfigError, one_of
+from .schema import TABLES
+from .storage import StorageConfig, arrow_input
+
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "arrow")
+
+
+@dataclass
+class InputConfig:
+    path: str = "data/demo_prompts.jsonl"   # file, folder or glob on any fsspec URL (local, s3://, memory://)
+    format: str = "auto"                    # auto (from the extension) | parquet | jsonl | arrow
+                                            # (a `datasets` save_to_disk folder is found automatically)
+    prompt_column: str = "prompt"           # a plain string prompt (chat template applied)
+    messages_column: str = "messages"       # or a chat: list of {role, content}
+    id_column: str = "id"                   # optional; else a stable id from file + row index
+    rows_per_unit: int = 256                # a work unit is (file, row range) of at most this many rows
+    check_duplicate_ids: bool = True        # plan-time pass over the id column (memory ~ number of ids)
+    limit: Optional[int] = None             # plan at most this many rows in total
+    passthrough_columns: list[str] = field(default_factory=list)   # input columns copied into every
+                                            # completions/rounds/errors row (as strings; JSON for
+                                            # non-strings); each must exist in every shard
+
+    def __post_init__(self):
+        one_of("input.format", self.format, INPUT_FORMATS)
+        _check_passthrough(self.passthrough_columns)
+        if self.rows_per_unit < 1:
+            raise ConfigError(f"input.rows_per_unit: expected >= 1, got {self.rows_per_unit}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"input.limit: expected >= 1 or null, got {self.limit}")
+        if not self.path:
+            raise ConfigError("input.path: required")
+
+
+def _check_passthrough(names: list[str]) -> None:
+    reserved = {n for schema in TABLES.values() for n in schema.names}
+    bad = [n for n in names if not n or n in reserved]
+    if bad or len(set(names)) != len(names):
+        raise ConfigError(f"input.passthrough_columns: expected distinct names that are not output columns "
+                          f"({sorted(reserved)}), got {list(names)}")
 
 READ_BATCH_ROWS = 64
 

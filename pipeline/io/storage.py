@@ -26,12 +26,14 @@ import posixpath
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import ConfigError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -191,3 +193,33 @@ def _create_local(path: str, data: bytes) -> bool:
             os.unlink(tmp)
     _fsync_dir(posixpath.dirname(path))
     return True
+
+
+@dataclass
+class StorageConfig:
+    """Object-store access for s3:// input and output. Unset fields fall back to the standard AWS
+    environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION). Keys given
+    here are never written to the output (the stored config redacts them)."""
+    endpoint_url: Optional[str] = None
+    key: Optional[str] = None
+    secret: Optional[str] = None
+    region: Optional[str] = None
+    retries: int = 4                        # retries of a failed storage call (output writes, markers, listings)
+    retry_backoff_s: float = 0.5            # first wait before a retry; doubles per retry ...
+    retry_max_backoff_s: float = 8.0        # ... up to this (defaults: ~15 s of retries per call)
+
+    def __post_init__(self):
+        if self.retries < 0 or self.retry_backoff_s < 0 or self.retry_max_backoff_s < self.retry_backoff_s:
+            raise ConfigError("storage.retries/retry_backoff_s/retry_max_backoff_s: expected retries >= 0 "
+                              "and 0 <= backoff <= max backoff")
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.retries + 1, self.retry_backoff_s, self.retry_max_backoff_s)
+
+    def with_environment(self) -> "StorageConfig":
+        """Unset fields filled from the driver's AWS environment, so workers on other machines
+        (whose environment the driver does not control) see the same endpoint and credentials."""
+        env = os.environ.get
+        return replace(self, endpoint_url=self.endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"),
+                       key=self.key or env("AWS_ACCESS_KEY_ID"), secret=self.secret or env("AWS_SECRET_ACCESS_KEY"),
+                       region=self.region or env("AWS_REGION") or env("AWS_DEFAULT_REGION"))

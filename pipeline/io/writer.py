@@ -34,10 +34,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from ..config import StorageConfig
 from .reader import Unit, filesystem
 from .schema import TABLES
-from .storage import StorageError, describe, put_atomic, retrying
+from .storage import StorageConfig, StorageError, describe, put_atomic, retrying
 
 KINDS = tuple(TABLES)
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Kernels the runner may use: FlexAttention, our CPU kernels, CUDA graphs."""

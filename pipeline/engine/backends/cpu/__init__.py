@@ -1,0 +1,1 @@
+"""Our C kernels for CPUs: attention, panel linears, fused norm/MLP, the decoder loop over them."""

@@ -1,0 +1,142 @@
+"""Attention on CPU: our C kernel over the slot store (csrc/slot_attention.c).
+
+Why a kernel of our own: on a CPU a decoding step's attention is a few query rows per sequence
+against that sequence's keys. Torch's SDPA kernel runs it as many tiny GEMMs over keys padded to the
+step's longest row, and reached ~10 GB/s of a 30-40 GB/s memory system here (bench/RESULTS.md,
+"CPU attention kernel"); FlexAttention removes the padding but costs more per key on CPU. The C
+kernel streams each row's own keys once per KV head for all the query heads that share it, with
+no mask and no padding, so a step costs what its rows' lengths cost. Measured on prompt prefill
+too (causal rows of 100-2000 tokens) it beat padded SDPA by 5-15%, so it takes every forward.
+
+It is built with the system C compiler the first time a runner asks for it (cpu_kernels.py: about
+a second, then cached per source, compiler and CPU) and checked against a torch reference before
+first use. Where any of that fails,
+`unavailable()` says why and the runner keeps torch's kernels.
+
+Scope: fp32 or bf16 stores (a bf16 model's: keys and values are widened to fp32 as they are read,
+the queries and the output converted around the call; the arithmetic is fp32 either way), head sizes
+that are multiples of 8 up to 256 (64 and 128 get unrolled loops). Elsewhere (CUDA, float16) the
+runner keeps torch's kernels (flex.py, kv_cache.py).
+
+This module knows nothing about models or requests: it sees tensors and a row table.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .build import choose, load_checked
+
+SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
+FUNCTIONS = {torch.float32: "slot_attention_f32", torch.bfloat16: "slot_attention_bf16kv"}   # per store dtype
+STORE_DTYPES = tuple(FUNCTIONS)
+
+
+
+class CpuAttention:
+    """The loaded kernel. Call it with packed queries, the layer's slot store and the step's row table."""
+
+    def __init__(self, path: Path):
+        self._lib = ctypes.CDLL(str(path))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {}
+        for dtype, name in FUNCTIONS.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+
+    def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                 row_table: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [num_tokens, heads, dim]; k_store/v_store [num_slots, kv_heads, cap, dim] fp32 or
+        bf16; row_table [4, rows] int64 (slot, start, num_new, first packed token per row). Returns
+        the attention output [num_tokens, heads, dim] in the query's dtype (computed in fp32). Row
+        r's token i (position start + i) sees keys 0 .. start + i of its slot; those must already
+        hold this step's keys."""
+        fn = self._fns.get(k_store.dtype)
+        if fn is None or v_store.dtype != k_store.dtype:
+            raise ValueError(f"cpu attention: stores {k_store.dtype} / {v_store.dtype}: expected both fp32 or bf16")
+        q32 = query.float().contiguous()
+        num_slots, kv_heads, cap, dim = k_store.shape
+        heads = query.shape[1]
+        for t in (k_store, v_store, row_table):
+            if not t.is_contiguous():
+                raise ValueError("cpu attention: store and row table must be contiguous")
+        out = torch.empty_like(q32)
+        status = fn(q32.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(),
+                    row_table.data_ptr(), row_table.shape[1], kv_heads, heads // kv_heads, cap, dim,
+                    float(scale), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("cpu attention: the kernel could not allocate its scratch memory"
+                              if status == -1 else f"cpu attention: kernel status {status}")
+        return out.to(query.dtype)
+
+
+def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, row_table: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """The same attention in plain torch, one row at a time (the kernel's specification and check),
+    in fp32 whatever the store's dtype, returned in the query's."""
+    out_dtype, query = query.dtype, query.float()
+    k_store, v_store = k_store.float(), v_store.float()
+    out = torch.empty_like(query)
+    groups = query.shape[1] // k_store.shape[1]
+    for slot, start, n, first in row_table.T.tolist():
+        k = k_store[slot, :, :start + n].repeat_interleave(groups, 0)          # [heads, len, dim]
+        v = v_store[slot, :, :start + n].repeat_interleave(groups, 0)
+        q = query[first:first + n].transpose(0, 1)                             # [heads, n, dim]
+        scores = (q @ k.transpose(1, 2)) * scale                               # [heads, n, len]
+        future = torch.arange(start + n) > (start + torch.arange(n)).unsqueeze(1)
+        out[first:first + n] = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    return out.to(out_dtype)
+
+
+def _self_check(kernel: CpuAttention) -> None:
+    """The built kernel against `reference` on ragged rows, non-contiguous slots, both head sizes,
+    fp32 and bf16 stores."""
+    gen = torch.Generator().manual_seed(0)
+    for (dim, groups), dtype in itertools.product(((64, 3), (128, 1), (16, 2)), STORE_DTYPES):
+        k_store = torch.randn(5, 2, 48, dim, generator=gen).to(dtype)
+        v_store = torch.randn(5, 2, 48, dim, generator=gen).to(dtype)
+        slots, starts, num_new = [3, 0, 4], [0, 17, 40], [5, 1, 3]
+        firsts = [0, 5, 6]
+        table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
+        query = torch.randn(sum(num_new), 2 * groups, dim, generator=gen)
+        got = kernel(query, k_store, v_store, table, dim ** -0.5)
+        want = reference(query, k_store, v_store, table, dim ** -0.5)
+        err = (got - want).abs().max().item()
+        if not err < 1e-4:
+            raise RuntimeError(f"self-check failed: max difference {err:.2e} from the torch reference")
+
+
+@lru_cache(maxsize=None)
+def _load() -> tuple[CpuAttention | None, str | None]:
+    return load_checked(SOURCE, CpuAttention, _self_check, "torch's attention kernels")
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a runner with this device, store dtype and head size cannot use the kernel, else None.
+    Builds (or finds) and checks the kernel on first call."""
+    if device.type != "cpu":
+        return f"device {device.type}: the kernel is for CPUs"
+    if dtype not in STORE_DTYPES:
+        return f"store dtype {dtype}: the kernel takes fp32 or bf16 stores"
+    if head_dim % 8 or head_dim > 256:
+        return f"head size {head_dim}: the kernel takes multiples of 8 up to 256"
+    return _load()[1]
+
+
+def kernel() -> CpuAttention:
+    loaded, reason = _load()
+    if loaded is None:
+        raise RuntimeError(f"cpu attention kernel unavailable: {reason}")
+    return loaded
+
+
+def policy(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuAttention | None:
+    """The kernel a runner uses under engine.cpu_attention = mode: auto (where
+    it is available), on (raises where not), off (None: torch's kernels)."""
+    return choose("cpu_attention", mode, lambda: unavailable(device, dtype, head_dim), kernel)

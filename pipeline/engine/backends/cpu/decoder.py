@@ -1,0 +1,225 @@
+"""A decoder's forward on CPU as one loop over our kernels (engine.cpu_decoder).
+
+Why: with the linears, attention, RMSNorms and the MLP's product in our C kernels, what was left of a
+step was glue: Hugging Face's module calls (~0.3 ms per layer in Python), RoPE as six torch ops, the
+residual adds, and the KV write as two index_puts. On this project's 2-core box (SmolLM2-135M, fp32)
+that "rest" measured 12.3 ms of a 35.9 ms batch-1 step and 15.8 of 50.4 ms for 4 rows x 3 tokens
+(bench/step_split.py). Here each layer is
+
+    h = norm(residual)                      (the previous layer's add and this norm: one pass)
+    q, k, v = qkv(h)                        (one panel-kernel call: q/k/v's panels side by side)
+    q = rope(q); store <- rope(k), v        (one pass: fused_ops.c rope_store)
+    a = attention(q, store)                 (slot_attention.c, each row its own keys)
+    residual += o(a); h = norm(residual)    (one pass)
+    residual += mlp(h)                      (the model's MLP module: GateUpMLP in fp32)
+
+and a prefill forward (no logits wanted) stops at the last layer's KV write: the rest of that layer
+feeds only the logits.
+
+Numbers: the same kernels on the same inputs as the runner's module path, and RoPE and the residual
+adds rounding where torch's ops round (fp32 and bf16), so the logits are bitwise those of the model's
+own forward through the runner (tests/test_cpu_decoder.py checks it, per family and dtype).
+
+Scope: the families cpu_fused knows (Llama, SmolLM, Qwen2/2.5, Qwen3, Mistral) when the runner has put
+our kernels in all the places above (attention, fused norms, panel linears for q/k/v/o) and the model
+has no sliding window shorter than the context served. Anything else keeps the model's forward;
+`unsupported()` says why. engine.cpu_decoder = auto | on | off.
+
+This module knows nothing about requests or sampling: it sees the model, the store and a StepLayout.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeline.engine.kv.layout import StepLayout
+from pipeline.engine.kv.store import SlotKVCache
+
+from .attention import CpuAttention
+from .build import choose
+from .fused import FusedOps, GateUpMLP, KernelRMSNorm
+from .linear import PANEL, PanelKernel, PanelLinear
+
+# (transformers module, class prefix: <prefix>ForCausalLM / DecoderLayer / Attention, whether q and k are
+# RMS-normalised per head before RoPE), per family
+FAMILIES = (("llama.modeling_llama", "Llama", False), ("qwen2.modeling_qwen2", "Qwen2", False),
+            ("qwen3.modeling_qwen3", "Qwen3", True), ("mistral.modeling_mistral", "Mistral", False))
+ROPE_HEAD_MULTIPLE = {torch.float32: 2, torch.bfloat16: 16}       # what fused_ops.c's rope_store takes
+
+
+@dataclass(frozen=True)
+class Family:
+    model: type
+    layer: type
+    attention: type
+    qk_norm: bool
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family whose causal LM class `model` is (exactly: a subclass may compute something else)."""
+    for module, prefix, qk_norm in FAMILIES:
+        try:
+            mod = importlib.import_module(f"transformers.models.{module}")
+            family = Family(getattr(mod, f"{prefix}ForCausalLM"), getattr(mod, f"{prefix}DecoderLayer"),
+                            getattr(mod, f"{prefix}Attention"), qk_norm)
+        except (ImportError, AttributeError):           # a transformers release without that family
+            continue
+        if type(model) is family.model:
+            return family
+    return None
+
+
+@dataclass
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: KernelRMSNorm) -> "Norm":
+        return cls(module.weight, module.variance_epsilon)
+
+
+@dataclass
+class Layer:
+    input_norm: Norm
+    post_norm: Norm
+    projections: tuple[PanelLinear, PanelLinear, PanelLinear]    # q, k, v
+    qkv: torch.Tensor | None        # their panels side by side (the modules hold views of it), or None:
+    qkv_bias: torch.Tensor | None   # widths not multiples of the panel, or bias on some only (three calls)
+    q_norm: Norm | None             # Qwen3: RMSNorm over each head of q and k before RoPE
+    k_norm: Norm | None
+    o_proj: PanelLinear
+    mlp: nn.Module                  # called as a module, unless:
+    gate_up: PanelLinear | None     # an fp32 GateUpMLP on panel linears: its three kernel calls made here
+    down: PanelLinear | None
+    scale: float
+
+
+def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps | None,
+                linear: PanelKernel | None, max_model_len: int, sliding_window: int | None = None) -> str | None:
+    """Why this model, with these kernels in place (None: not in use), cannot take the loop, else None.
+    sliding_window: the window some attention layer of the model applies (the caller reads it from
+    the model's config), or None."""
+    missing = [name for name, k in (("cpu_attention", attention), ("cpu_fused", ops), ("cpu_linear", linear))
+               if k is None]
+    if missing:
+        return f"the loop runs on our kernels, and {', '.join(missing)} is not in use"
+    family = family_of(model)
+    if family is None:
+        return f"{type(model).__name__}: the loop knows {', '.join(p for _, p, _ in FAMILIES)} causal LMs"
+    if sliding_window is not None and sliding_window < max_model_len:
+        return f"sliding window {sliding_window} < max_model_len {max_model_len}: the kernels attend to every key"
+    norms = [model.model.norm]
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if type(layer) is not family.layer or type(attn) is not family.attention:
+            return f"layer {i}: {type(layer).__name__} / {type(attn).__name__}, not the family's own"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [attn.q_norm, attn.k_norm] if family.qk_norm else []
+        if not all(type(p) is PanelLinear for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
+            return f"layer {i}: the attention's projections are not our panel linears"
+        multiple = ROPE_HEAD_MULTIPLE[linear.dtype]
+        if attn.head_dim % multiple:
+            return f"head size {attn.head_dim}: RoPE in {linear.dtype} takes multiples of {multiple}"
+    if not all(type(n) is KernelRMSNorm for n in norms):
+        return "not every RMSNorm is the fused kernel's"
+    return None
+
+
+class CpuDecoder:
+    """The model's forward over the slot store as one loop of kernel calls (`unsupported()` first)."""
+
+    def __init__(self, model: nn.Module, family: Family, cache: SlotKVCache, attention: CpuAttention,
+                 ops: FusedOps, linear: PanelKernel):
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary_emb
+        self.final_norm = Norm.of(model.model.norm)
+        self.lm_head = model.lm_head
+        self.dtype = linear.dtype
+        self.cache, self.attention, self.ops, self.linear = cache, attention, ops, linear
+        self.layers = [self._layer(layer, family.qk_norm) for layer in model.model.layers]
+        self.merged = sum(layer.qkv is not None for layer in self.layers)     # layers with one qkv call
+
+    @staticmethod
+    @torch.no_grad()
+    def _layer(layer: nn.Module, qk_norm: bool) -> Layer:
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [p.bias for p in projections]
+        qkv, bias = None, None
+        if all(p.out_features % PANEL == 0 for p in projections) and len({b is None for b in biases}) == 1:
+            # one weight stream for q, k and v: the modules keep views of the merged panels (no copy left)
+            qkv = torch.cat([p.panels for p in projections])
+            bias = None if biases[0] is None else torch.cat(biases)
+            at = 0
+            for p in projections:
+                p.panels = qkv[at:at + p.panels.shape[0]]
+                at += p.panels.shape[0]
+        mlp = layer.mlp
+        panels = type(mlp) is GateUpMLP and type(mlp.gate_up_proj) is PanelLinear and type(mlp.down_proj) is PanelLinear
+        return Layer(input_norm=Norm.of(layer.input_layernorm), post_norm=Norm.of(layer.post_attention_layernorm),
+                     projections=projections, qkv=qkv, qkv_bias=bias,
+                     q_norm=Norm.of(attn.q_norm) if qk_norm else None,
+                     k_norm=Norm.of(attn.k_norm) if qk_norm else None,
+                     o_proj=attn.o_proj, mlp=mlp, gate_up=mlp.gate_up_proj if panels else None,
+                     down=mlp.down_proj if panels else None, scale=attn.scaling)
+
+    def _linear(self, x: torch.Tensor, linear: PanelLinear) -> torch.Tensor:
+        return self.linear.unchecked(x, linear.panels, linear.bias, linear.out_features)
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.gate_up is None:
+            return layer.mlp(h)
+        return self._linear(self.ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)
+
+    def _qkv(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[tokens, width] each: column slices of one projection where merged."""
+        if layer.qkv is None:
+            return tuple(p(h) for p in layer.projections)
+        nq, nk, nv = (p.out_features for p in layer.projections)
+        out = self.linear.unchecked(h, layer.qkv, layer.qkv_bias, nq + nk + nv)
+        return out[:, :nq], out[:, nq:nq + nk], out[:, nq + nk:]
+
+    def _head_norm(self, x: torch.Tensor, norm: Norm, head_dim: int) -> torch.Tensor:
+        tokens = x.shape[0]
+        return self.ops.rms_norm(x.reshape(tokens, -1, head_dim), norm.weight, norm.eps).view(tokens, -1)
+
+    @torch.inference_mode()
+    def forward(self, lay: StepLayout, logits: str) -> torch.Tensor | None:
+        """KV for the layout's tokens into the store; logits (model dtype) for every token ("all"), each
+        row's last ("last"), or None ("none")."""
+        ops, cache = self.ops, self.cache
+        positions = lay.flat_position_ids                                     # [1, tokens]
+        residual = self.embed(lay.input_ids)[0]                               # [tokens, hidden]
+        cos, sin = (t[0] for t in self.rotary(residual, position_ids=positions))
+        head_dim = cache.keys[0].shape[-1]
+        last = len(self.layers) - 1
+        h = ops.rms_norm(residual, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h)
+            if layer.q_norm is not None:
+                q, k = self._head_norm(q, layer.q_norm, head_dim), self._head_norm(k, layer.k_norm, head_dim)
+            q = ops.rope_store(q, k, v, cos, sin, lay.row_table, cache.keys[i], cache.values[i])
+            if i == last and logits == "none":
+                return None                   # the rest of the last layer feeds only the logits
+            a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale)
+            a = self._linear(a.to(self.dtype).view(a.shape[0], -1), layer.o_proj)
+            h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps)
+            m = self._mlp(layer, h)
+            norm = self.layers[i + 1].input_norm if i < last else self.final_norm
+            h = ops.add_rms_norm(residual, m, norm.weight, norm.eps)
+        if logits == "last":
+            h = h[lay.row_ends]
+        return self.lm_head(h)
+
+
+def policy(mode: str, model: nn.Module, cache: SlotKVCache, attention: CpuAttention | None,
+           ops: FusedOps | None, linear: PanelKernel | None, max_model_len: int,
+           sliding_window: int | None = None) -> CpuDecoder | None:
+    """The loop a runner uses under engine.cpu_decoder = mode: auto (where `unsupported` says nothing),
+    on (raises with its reason where not), off (None: the model's forward)."""
+    return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, linear, max_model_len, sliding_window),
+                  lambda: CpuDecoder(model, family_of(model), cache, attention, ops, linear))

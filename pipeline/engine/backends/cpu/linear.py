@@ -1,0 +1,260 @@
+"""Linear layers for CPU decoding: our panel kernel (fp32, or bf16 on CPUs with avx512_bf16), else
+oneDNN-packed weights.
+
+A speculative round verifies a few tokens per sequence, so the target's linears multiply a weight by
+a handful of rows (M = 2..200). On CPU, torch's default `F.linear` (MKL sgemm on a plain weight) is
+slow exactly there: measured on this project's 2-core box (fp32, a [8960 x 1536] Qwen MLP weight), five rows
+cost 3.6x one row, so verifying 4 draft tokens cost ~2.5 plain steps and ate most of the gain.
+Reordering each weight once into oneDNN's blocked layout (torch's own `mkldnn` ops) makes five
+rows cost ~1.3x one row, and 40 rows ~2x less than `F.linear` (bench/linear_kernels.py).
+
+Memory: the packed weight replaces the dense one inside the module. Packing reads every dense weight,
+so while it runs the checkpoint's memory-mapped pages count in RSS too: peak RSS at load is about
+dense + packed, but the dense part is clean file-backed pages the kernel reclaims under pressure, not
+anonymous memory (measured, Qwen2.5-1.5B fp32 with the runner's packing, sampled every 20 ms: peak RSS
+15.3 GB = anonymous 8.26 GB, which is also its steady state, + file-backed 7.06 GB; 8.38 GB after). A weight shared
+with the input embedding (tied lm_head) stays dense for the embedding and is packed once more here, which costs
+its size in memory (SmolLM2-135M: 113 MB fp32; Qwen2.5-1.5B: 0.9 GB).
+
+Numerics: a packed linear's rows are as close to `F.linear`'s as `F.linear`'s own rows are to each
+other across batch sizes (neither is bitwise batch-invariant; ~1e-6 relative).
+
+Our kernel (csrc/panel_linear.c, fp32, CPUs with a C compiler; engine.cpu_linear, default auto)
+goes further at the small M of decoding. oneDNN's packed kernel reads a weight at ~16 GB/s with one
+row here, where the memory system gives 30-40: batch-1 decoding is a stream over all the weights, so
+that was most of a batch-1 step. The panel layout ([N/16, K, 16]: 16 outputs' weights side by side
+for each input index) makes one row a plain forward stream, and the same layout is the B operand
+of a register-blocked GEMM for many rows. Measured on SmolLM2's 211 weights on this box
+(bench/linear_kernels.py --weights smollm2): 1.2-2.6x oneDNN's speed at 1-24 rows, level at 64 and
+2048, 0.82x at 256 (bench/RESULTS.md, "Session 5").
+It replaces oneDNN's packing where it is used (one copy of each weight, as before).
+
+bf16 models (`models.dtype: auto` on CPUs with avx512_bf16) get the twin, csrc/panel_linear_bf16.c:
+pair panels ([N/16, K/2, 16, 2]) and one VDPBF16PS per input pair, so a batch-1 step streams half
+the bytes; it builds only where the CPU has the instruction (elsewhere bf16 keeps oneDNN's linears).
+
+This module knows nothing about the engine: `panel_linears(model, kernel)` / `pack_linears(model)`
+swap modules in place.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .build import choose, load_checked
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
+SOURCE_BF16 = Path(__file__).parent / "csrc" / "panel_linear_bf16.c"     # CPUs with avx512_bf16
+PANEL = 16                                   # outputs per panel (the kernel's NR)
+
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` with its weight reordered once for oneDNN's inner product (CPU only)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packing is available for this device and dtype (CPU; bf16 needs AVX-512/AVX-NE)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zeros past N)."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2] (the bf16 kernel's): panel p, pair j holds
+    (W[n, 2j], W[n, 2j + 1]) for n = 16p .. 16p + 15 (zeros past N and K)."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, -(-k // 2) * 2)
+    padded[:n, :k] = weight
+    return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One dtype's kernel: its C source and entry point, its weight layout, and what runs where it
+    cannot be used."""
+    source: Path
+    function: str
+    layout: Callable[[torch.Tensor], torch.Tensor]
+    instead: str
+
+
+FLAVOURS = {torch.float32: Flavour(SOURCE, "panel_linear_f32", to_panels, "oneDNN / torch linears"),
+            torch.bfloat16: Flavour(SOURCE_BF16, "panel_linear_bf16", to_pair_panels, "oneDNN's bf16 linears")}
+
+
+class PanelKernel:
+    """A loaded panel kernel, fp32 (panel_linear.c) or bf16 (panel_linear_bf16.c).
+    `kernel(x, kernel.layout(w), bias, n)` is `F.linear(x, w, bias)` for x [M, K] in its dtype."""
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.layout = FLAVOURS[dtype].layout
+        self._lib = ctypes.CDLL(str(path))
+        fn = getattr(self._lib, FLAVOURS[dtype].function)
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __deepcopy__(self, memo):                       # one loaded library per process: copies share it
+        return self
+
+    def __reduce__(self):                               # another process loads (or builds) its own
+        return _loaded, (str(self.dtype).removeprefix("torch."),)
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        m, k = x.shape
+        want = self.layout(x.new_zeros(1, k)).shape[1:]                  # the layout's shape for K
+        if x.dtype != self.dtype or panels.dtype != self.dtype or tuple(panels.shape[1:]) != want \
+                or panels.shape[0] * PANEL < n or (bias is not None and bias.dtype != self.dtype):
+            raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} does not fit panels "
+                             f"{tuple(panels.shape)} {panels.dtype} (a {self.dtype} kernel)")
+        return self.unchecked(x, panels, bias, n)
+
+    def unchecked(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The call without its shape checks, for a caller that made them once (PanelLinear): a batch-1
+        step makes ~200 of these calls, so microseconds each add up."""
+        x = x.contiguous()
+        m = x.shape[0]
+        y = x.new_empty((m, n))
+        if m:
+            self._fn(x.data_ptr(), m, x.shape[1], panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), n, torch.get_num_threads())
+        return y
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` with its weight regrouped once into 16-output panels for our kernel (CPU, fp32 or bf16)."""
+
+    def __init__(self, linear: nn.Linear, kernel: PanelKernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        if weight.dtype != kernel.dtype:
+            raise ValueError(f"panel linear: a {weight.dtype} weight for a {kernel.dtype} kernel")
+        self.register_buffer("panels", kernel.layout(weight), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self._kernel.dtype or x.shape[-1] != self.in_features:
+            want = str(self._kernel.dtype).removeprefix("torch.")
+            raise ValueError(f"panel linear: expected [..., {self.in_features}] {want}, got {tuple(x.shape)} {x.dtype}")
+        y = self._kernel.unchecked(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+SELF_CHECK_CASES = ((1, 40, 37, True), (5, 16, 8, False), (13, 33, 600, True), (100, 24, 1030, False))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # bf16: y is rounded once to 8 bits (2^-9)
+
+
+def check_against_float64(kernel: PanelKernel, cases=SELF_CHECK_CASES, seed: int = 0) -> float:
+    """The kernel against float64 `F.linear` on the same (dtype-rounded) inputs: the largest relative
+    difference (to the output's largest magnitude) over the cases (M, N, K, with bias)."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for m, n, k, bias in cases:
+        w = torch.randn(n, k, generator=gen).to(kernel.dtype)
+        x = torch.randn(m, k, generator=gen).to(kernel.dtype)
+        b = torch.randn(n, generator=gen).to(kernel.dtype) if bias else None
+        got = kernel(x, kernel.layout(w), b, n)
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def _self_check(kernel: PanelKernel) -> None:
+    """Ragged M (1 row, one tile, tiles + a remainder), N not a multiple of the panel, odd K, with and
+    without bias: within TOLERANCE of float64 `F.linear`."""
+    err = check_against_float64(kernel)
+    if not err < TOLERANCE[kernel.dtype]:
+        raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
+
+
+@lru_cache(maxsize=None)
+def _load(dtype: torch.dtype = torch.float32) -> tuple[PanelKernel | None, str | None]:
+    flavour = FLAVOURS[dtype]
+    return load_checked(flavour.source, lambda path: PanelKernel(path, dtype), _self_check, flavour.instead)
+
+
+def _loaded(dtype: str = "float32") -> PanelKernel:
+    return policy("on", torch.device("cpu"), getattr(torch, dtype))
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a runner with this device and weight dtype cannot use the panel kernel, else None.
+    Builds (or finds) and checks the kernel on first call."""
+    if torch.device(device).type != "cpu":
+        return f"device {torch.device(device).type}: the kernel is for CPUs"
+    if dtype not in FLAVOURS:
+        return f"weight dtype {dtype}: the kernel is fp32 or bf16 only"
+    return _load(dtype)[1]
+
+
+def policy(mode: str, device: torch.device, dtype: torch.dtype) -> PanelKernel | None:
+    """The panel kernel a runner uses under engine.cpu_linear = mode: auto (where it is available),
+    on (raises where not), off (None: oneDNN packing or torch's F.linear)."""
+    return choose("cpu_linear", mode, lambda: unavailable(device, dtype), lambda: _load(dtype)[0])
+
+
+@torch.no_grad()
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every `nn.Linear` of `model` by make(linear), in place. Returns how many."""
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name in names:      # one at a time, holding no other dense weight: peak memory + one layer
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, make(getattr(parent, attr)))
+    # Weights loaded from safetensors are views of the checkpoint's memory map; regrouping touched all
+    # its pages. Copying the few remaining parameters (embedding, norms) out of the map lets it go,
+    # so steady-state memory is the regrouped weights + those copies, not the checkpoint file on top.
+    for param in model.parameters():
+        param.data = param.data.clone()
+    return len(names)
+
+
+def panel_linears(model: nn.Module, kernel: PanelKernel) -> int:
+    """Replace every `nn.Linear` of `model` by a PanelLinear, in place. Returns how many."""
+    return _swap_linears(model, lambda linear: PanelLinear(linear, kernel))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a PackedLinear, in place. Returns how many.
+    The caller checks `can_pack` first."""
+    return _swap_linears(model, PackedLinear)

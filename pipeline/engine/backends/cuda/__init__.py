@@ -1,0 +1,1 @@
+"""CUDA graphs over the runner's decoding and verify steps."""

@@ -1,0 +1,255 @@
+"""A step replayed as one CUDA graph: the GPU forward without a dozen Python-issued launches per layer.
+
+On a GPU, a decoding step of a small model (or of any model at small batch) is launch-bound: the
+weights stream in tens of microseconds, but every layer issues its projections, norms, RoPE, the KV
+write and attention as separate kernel launches from Python. Capturing the forward once per shape
+and replaying it leaves one launch per step (vLLM and nano-vllm do the same for decoding).
+
+A graph fixes shapes and addresses, so a step is padded to a bucket:
+
+  bucket    (rows, tokens per row, keys, logits): rows rounded up to a power of two (at most the
+            runner's slots), every row padded to the step's longest (1..MAX_Q tokens), the keys each
+            row reads rounded up to a power of two >= the step's furthest position (at most the
+            store), logits "all" or "last"; at most MAX_TOKENS tokens (rows x tokens per row)
+  pad token a row's tokens past its real ones, at positions start + n .. start + q - 1 of its own
+            slot: past the row's computed length, where stale KV is already allowed (a rollback leaves
+            it, the mask hides it, the next real token there overwrites it). The store has MAX_Q - 1
+            positions more than max_model_len, so these never run off its end
+  pad row   rows past the step's real ones: the spare slot (the store has one more than the engine
+            uses), positions 0 .. q - 1; only pad rows read it
+  buffers   one static int64 device buffer per bucket (input ids, slots, positions, each row's last
+            packed token), filled by one host-to-device copy per step; the logits land in one output
+            buffer shared by every graph, so a captured graph keeps no vocabulary-sized tensor
+
+Attention inside a graph is the padded path of kv_cache.slot_attention, its float mask built in the
+graph from the positions: static shapes, no host sync. Prefill (logits "none") and steps past the
+largest bucket run eagerly, as do all steps where graphs are off.
+
+Each bucket is captured on first use, after one uncaptured run of the same padded forward on the same
+inputs (which also warms up the kernels). Its first replay must reproduce that run's logits for the
+real tokens (the same kernels on the same inputs), or graphs are switched off for this runner with a
+warning and the uncaptured result is used; a capture that raises (an op that syncs with the host,
+say) does the same. A model whose forward cannot be captured runs at eager speed, never wrongly. The
+KV both runs write is the same (a position's KV depends only on the tokens up to it), so running the
+step twice changes nothing.
+
+`capture=None` runs the identical padded forward without capturing: on CPU, it is how the tests
+check everything but the capture itself (buckets, padding, buffers, masks, the logits' gather).
+
+This module knows nothing about requests or drafting; it sees a runner's forward and a layout.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipeline.engine.config import MODES
+from pipeline.engine.kv.layout import StepLayout, attention_masks
+
+UNCAPTURED = "uncaptured"  # a runner's mode, not a config value: the padded forward without capture (CPU tests)
+MAX_Q = 8                 # tokens per row in a graph: a verify step of up to 7 draft tokens
+MAX_TOKENS = 512          # rows x tokens per row in a graph; larger steps are compute-bound anyway
+MIN_KEYS = 256            # the smallest keys bucket
+
+
+def policy(mode: str, device: torch.device) -> bool:
+    """Whether a runner on `device` captures graphs: auto (on CUDA), on (raises elsewhere), off."""
+    if mode not in MODES:
+        raise ValueError(f"engine.cuda_graphs: expected one of {MODES}, got {mode!r}")
+    if mode == "off":
+        return False
+    if device.type != "cuda":
+        if mode == "on":
+            raise RuntimeError(f"engine.cuda_graphs=on needs a CUDA device, the model is on {device}")
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Bucket:
+    rows: int
+    q: int            # tokens per row
+    keys: int         # key positions each row reads
+    logits: str       # "all" | "last"
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.q
+
+
+class _BucketState:
+    """One bucket's static layout and buffer (and, once captured, its graph)."""
+
+    def __init__(self, bucket: Bucket, spare_slot: int, device: torch.device):
+        rows, q = bucket.rows, bucket.q
+        self.bucket = bucket
+        # [input ids (rows*q) | slots (rows) | positions (rows*q) | last packed token of each row (rows)]
+        self.sizes = [rows * q, rows, rows * q, rows]
+        self.buffer = torch.cat([torch.zeros(rows * q, dtype=torch.long),
+                                 torch.full((rows,), spare_slot, dtype=torch.long),
+                                 torch.arange(q).repeat(rows),
+                                 torch.arange(rows) * q + q - 1]).to(device)
+        input_ids, slots, positions, row_ends = self.buffer.split(self.sizes)
+        token_row = torch.arange(rows, device=device).repeat_interleave(q)
+        self.layout = StepLayout(
+            input_ids=input_ids.unsqueeze(0), slots=slots,
+            row_table=torch.zeros(4, rows, dtype=torch.long, device=device),   # read by the CPU kernel only
+            row_ends=row_ends, position_ids=positions.view(rows, q),
+            is_valid=torch.ones(rows, q, dtype=torch.bool, device=device),
+            token_row=token_row, token_q=torch.arange(q, device=device).repeat(rows),
+            kv_len=bucket.keys, slot_range=None)
+        self.replay: Callable[[], None] | None = None      # set once captured and checked
+
+
+class CudaCapture:
+    """The CUDA runtime's part: warm up on a side stream, capture into one memory pool shared by every
+    graph of the runner (one step replays at a time, so their intermediates may share memory), replay."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = None
+
+    def warm_up(self, fn: Callable[[], None]) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Record fn's kernels (without running them); returns the replay."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            fn()
+        return graph.replay
+
+
+class StepGraphs:
+    """Padded, bucketed forwards of one runner, captured by `capture` (a CudaCapture), or with
+    capture=None run exactly as they would be captured. `forward_fn(layout, mask, keep)` is the
+    runner's model call: packed logits for the kept positions ([kept, vocab])."""
+
+    def __init__(self, forward_fn: Callable[[StepLayout, torch.Tensor, object], torch.Tensor],
+                 num_groups: int, dtype: torch.dtype, device: torch.device, num_slots: int, store_len: int,
+                 capture: CudaCapture | None = None):
+        self.forward_fn = forward_fn
+        self.num_groups, self.dtype, self.device = num_groups, dtype, device
+        self.spare_slot = num_slots                  # the store holds num_slots + 1 slots
+        self.max_rows = num_slots
+        self.store_len = store_len
+        self.capture = capture
+        self.enabled = True
+        self.disabled_reason: str | None = None
+        self._states: dict[Bucket, _BucketState] = {}
+        self._out: torch.Tensor | None = None        # [MAX_TOKENS, vocab], every graph's logits
+        self.num_replays = 0                         # steps served by a graph (or its uncaptured twin)
+        self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
+
+    @staticmethod
+    def store_rows(num_slots: int) -> int:
+        """Slots the store must hold: the engine's, plus the spare one pad rows use."""
+        return num_slots + 1
+
+    @staticmethod
+    def store_positions(max_model_len: int) -> int:
+        """Positions per slot: max_model_len, plus room for the pad tokens of a row that ends there."""
+        return max_model_len + MAX_Q - 1
+
+    def bucket(self, starts: list[int], num_new: list[int], logits: str) -> Bucket | None:
+        """The bucket this step pads to, or None when it takes the eager path."""
+        if not self.enabled or logits not in ("all", "last") or len(num_new) > self.max_rows:
+            return None
+        q = max(num_new)
+        rows = 1 << (len(num_new) - 1).bit_length()
+        if q > MAX_Q or rows * q > MAX_TOKENS:
+            return None
+        rows = min(rows, self.max_rows)
+        keys = min(max(MIN_KEYS, 1 << (max(s + n for s, n in zip(starts, num_new)) - 1).bit_length()),
+                   self.store_len)
+        return Bucket(rows, q, keys, logits)
+
+    def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Logits of the step (as the eager forward returns them: every real token in row order for
+        "all", each real row's last token for "last"), from the bucket's graph."""
+        state = self._states.get(bucket)
+        if state is None:
+            state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
+        rows, q = bucket.rows, bucket.q
+        pad_rows = rows - len(slots)
+        ids, positions, real = [], [], []
+        for b, (start, row) in enumerate(zip(starts, tokens)):
+            ids += row + [row[-1]] * (q - len(row))
+            positions += range(start, start + q)
+            real += range(b * q, b * q + len(row)) if bucket.logits == "all" else [b]
+        ids += [0] * (pad_rows * q)
+        positions += list(range(q)) * pad_rows
+        row_ends = [b * q + len(row) - 1 for b, row in enumerate(tokens)] + [b * q + q - 1 for b in range(len(tokens), rows)]
+        host = torch.tensor(ids + slots + [self.spare_slot] * pad_rows + positions + row_ends + real, dtype=torch.long)
+        staged = host.to(self.device)
+        fixed = state.buffer.numel()
+        state.buffer.copy_(staged[:fixed])
+        real_idx = staged[fixed:]
+        self.num_replays += 1
+        if self.capture is None:
+            self._run(state)
+            return self._real(bucket, real_idx)
+        if state.replay is None:
+            return self._capture(state, real_idx)
+        state.replay()
+        return self._real(bucket, real_idx)
+
+    def _run(self, state: _BucketState) -> None:
+        """The bucket's forward on its static buffers; its logits into the shared output buffer."""
+        lay = state.layout
+        mask, _ = attention_masks(lay, self.num_groups, self.dtype)
+        keep = 0 if state.bucket.logits == "all" else lay.row_ends
+        logits = self.forward_fn(lay, mask, keep)                              # [kept, vocab]
+        if self._out is None:
+            self._out = torch.empty(MAX_TOKENS, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        self._out[:logits.shape[0]].copy_(logits)
+
+    def _real(self, bucket: Bucket, real_idx: torch.Tensor) -> torch.Tensor:
+        return self._out[:bucket.tokens if bucket.logits == "all" else bucket.rows].index_select(0, real_idx)
+
+    def _capture(self, state: _BucketState, real_idx: torch.Tensor) -> torch.Tensor:
+        """First use of a bucket: run it uncaptured (the reference, and the warm-up, on a side stream),
+        capture it, replay it, and keep the graph only if the replay reproduces the reference."""
+        t0 = time.perf_counter()
+        try:
+            return self._capture_checked(state, real_idx)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_checked(self, state: _BucketState, real_idx: torch.Tensor) -> torch.Tensor:
+        self.capture.warm_up(lambda: self._run(state))
+        reference = self._real(state.bucket, real_idx).clone()
+        self._out.fill_(float("nan"))      # the replay must write every real row itself
+        try:
+            replay = self.capture.capture(lambda: self._run(state))
+            replay()
+        except Exception as exc:           # any failure to capture: eager from now on, never a wrong result
+            self._disable(f"capturing {state.bucket} raised {type(exc).__name__}: {exc}")
+            return reference
+        replayed = self._real(state.bucket, real_idx)
+        scale = reference.abs().max().clamp(min=1.0)
+        if not bool(((replayed - reference).abs().max() <= 1e-3 * scale).item()):
+            self._disable(f"the replay of {state.bucket} differs from its uncaptured run")
+            return reference
+        state.replay = replay
+        return replayed
+
+    def _disable(self, reason: str) -> None:
+        self.enabled, self.disabled_reason = False, reason
+        self._states.clear()
+        warnings.warn(f"CUDA graphs off for this model: {reason}; its steps run eagerly", RuntimeWarning,
+                      stacklevel=3)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(s.replay is not None for s in self._states.values())

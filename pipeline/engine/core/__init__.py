@@ -1,0 +1,1 @@
+"""Bookkeeping and the pure rules: requests, scheduling, prefix index, sampling, verification."""

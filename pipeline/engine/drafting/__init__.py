@@ -1,0 +1,1 @@
+"""Proposers: the Drafter protocol, n-gram, suffix index, draft model, hybrid, the adaptive policy."""

@@ -1,0 +1,227 @@
+"""Adaptive draft length: per sequence, from its recent acceptance and the current batch size,
+using measured draft and verify costs. No torch import: calibration times the runners it is given
+through their own methods.
+
+Model (the one written down in bench/RESULTS.md): with per-token acceptance alpha, a round with
+draft length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs
+C(g) = V(B * (g + 1)) + g * D(B), where V(T) is the target's forward (+ verification) time for T
+tokens and D(B) the draft's time for one step over B rows (0 for n-gram lookup). Each sequence gets
+the g in [0, max_draft] that maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation
+would cost more than it saves. V and D are piecewise-linear curves measured by a short calibration
+(CostModel.calibrate) and rescaled online by the ratio of observed to predicted step times.
+
+Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
+(geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
+model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
+margin (10%): a curve calibrated on shared cores is noisy by about that much. Until then, if
+no sequence would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts
+anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the
+acceptance that would correct it is never observed. A sequence whose draft KV lags its history (a
+new prompt, or a stretch at g = 0) must first be caught up (a draft prefill of `lag` tokens,
+P per token): it drafts only if the time drafting saves over its remaining tokens R,
+R * (C(0) - C(g) / E(g)) / B, exceeds lag * P. The lag comes from the drafter, which owns the draft
+KV (Drafter.catch_up_lag); the policy only reads it.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..model.runner import ModelRunner
+
+
+class CostModel:
+    def __init__(self, ema: float = 0.1):
+        self.verify_curve: list[tuple[int, float]] = []    # (tokens, seconds)
+        self.draft_curve: list[tuple[int, float]] = []     # (rows, seconds per draft step)
+        self.draft_prefill_s = 0.0                          # draft prefill seconds per token
+        self.verify_scale = self.draft_scale = 1.0
+        self.ema = ema
+
+    @property
+    def is_calibrated(self) -> bool:
+        return bool(self.verify_curve)
+
+    @staticmethod
+    def monotone(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The closest non-decreasing curve (least squares, pool-adjacent-violators): a forward over
+        more tokens or rows never takes less time, and a noisy point that says otherwise (one Qwen
+        calibration had V(2) > V(5)) would make the policy prefer or avoid a length for no reason."""
+        blocks: list[list[float]] = []                    # [mean, count]
+        for _, y in curve:
+            blocks.append([y, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+        ys = [m for m, n in blocks for _ in range(int(n))]
+        return [(x, y) for (x, _), y in zip(curve, ys)]
+
+    @staticmethod
+    def _interp(curve: list[tuple[int, float]], x: float) -> float:
+        if not curve:
+            return 0.0
+        xs = [p[0] for p in curve]
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return curve[0][1]
+        if i == len(curve):       # extrapolate linearly from the last two points
+            (x0, y0), (x1, y1) = curve[-2:] if len(curve) > 1 else (curve[-1], curve[-1])
+        else:
+            (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+        return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def verify_cost(self, tokens: int) -> float:
+        return self.verify_scale * self._interp(self.verify_curve, tokens)
+
+    def draft_cost(self, rows: int) -> float:
+        return self.draft_scale * self._interp(self.draft_curve, rows)
+
+    def observe(self, batch_size: int, num_draft: int, draft_s: float, target_tokens: int,
+                verify_s: float, draft_steps: int = 0) -> None:
+        """Rescale the curves by observed / predicted time (exponential moving average)."""
+        if not self.is_calibrated:
+            return
+        predicted = self._interp(self.verify_curve, target_tokens)
+        if predicted > 0:
+            self.verify_scale += self.ema * (verify_s / predicted - self.verify_scale)
+        predicted = draft_steps * self._interp(self.draft_curve, batch_size)
+        if draft_steps and predicted > 0:
+            self.draft_scale += self.ema * (draft_s / predicted - self.draft_scale)
+
+    def round_cost(self, batch_size: int, g: int, draft_is_free: bool = False) -> float:
+        """A step of batch_size sequences all drafting g tokens (V + g D)."""
+        draft = 0.0 if draft_is_free else g * self.draft_cost(batch_size)
+        return self.verify_cost(batch_size * (g + 1)) + draft
+
+    def catch_up_cost(self, lag: int) -> float:
+        return self.draft_scale * self.draft_prefill_s * lag
+
+    def calibrate(self, target: ModelRunner, draft: ModelRunner | None, num_slots: int, max_draft: int,
+                  max_model_len: int, repeats: int = 3) -> None:
+        """Measure the target's forward time per number of tokens and the draft's per number of rows
+        (the cost curves), at a typical context length: attention reads grow with it, and a curve
+        measured at context 0 underprices extra query tokens. Writes scratch KV into the runners'
+        first slots: only while no sequence holds a slot."""
+        context = min(max_model_len // 2, 384)
+        max_tokens = num_slots * (max_draft + 1)
+        sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {max_tokens})
+        self.verify_curve = CostModel.monotone(
+            [(t, time_forward(target, t, num_slots, context, repeats)) for t in sizes])
+        if draft is None:
+            return
+        rows = sorted({min(2 ** i, num_slots) for i in range(num_slots.bit_length() + 1)})
+        self.draft_curve = CostModel.monotone([(r, time_forward(draft, r, r, context, repeats)) for r in rows])
+        chunk = min(64, context)          # the lazy catch-up's prefill, per token (no logits)
+        self.draft_prefill_s = time_forward(draft, chunk, 1, context, repeats, "none") / chunk
+
+
+def time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int,
+                 logits: str = "all") -> float:
+    """Median seconds of one forward of `tokens` tokens over at most `max_rows` rows at `context`
+    (+ the softmax the engine applies to its logits), after a warm-up run."""
+    rows = min(tokens, max_rows)
+    per_row = -(-tokens // rows)
+    context = min(context, runner.cache.max_len - per_row)
+    inputs = [[0] * per_row for _ in range(rows)]
+    times = []
+    for _ in range(repeats + 1):                       # first run is a warm-up
+        t0 = time.perf_counter()
+        out = runner.forward(list(range(rows)), [context] * rows, inputs, logits=logits)
+        if out is not None:
+            out.softmax(dim=-1)
+        runner.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def expected_tokens(alpha: float, g: int) -> float:
+    """Mean tokens emitted by a round with draft length g and per-token acceptance alpha."""
+    if alpha >= 1.0:
+        return g + 1.0
+    return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+
+class AdaptiveDraftLength:
+    def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
+                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1,
+                 evidence_tokens: int = 16, explore_alpha: float = 0.9):
+        self.max_draft, self.costs, self.draft_is_free = max_draft, costs, draft_is_free
+        self.draft_margin, self.evidence_tokens, self.explore_alpha = draft_margin, evidence_tokens, explore_alpha
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
+        self._engine_stats = [0.0, 0.0]                # all sequences: [accepted, rejections] (decayed)
+        self._drafted = 0                              # draft tokens verified, all time
+
+    @property
+    def has_evidence(self) -> bool:
+        """A draft model's acceptance has been observed on enough tokens to act on it."""
+        return not self.draft_is_free and self._drafted >= self.evidence_tokens
+
+    def _prior(self) -> float:
+        """A draft model's engine-wide acceptance once observed (new sequences start from it);
+        the fixed prior before that, and always for n-gram lookup (its acceptance is per prompt)."""
+        if not self.has_evidence:
+            return self.prior
+        acc, rej = self._engine_stats
+        return (acc + self.prior) / (acc + rej + 1.0)
+
+    def acceptance(self, request_id: str) -> float:
+        acc, rej = self._stats.get(request_id, (0.0, 0.0))
+        return (acc + self._prior() * self.prior_weight) / (acc + rej + self.prior_weight)
+
+    def update(self, seq, num_draft: int, num_accepted: int) -> None:
+        rejected = 1.0 if num_accepted < num_draft else 0.0
+        for stats, decay in ((self._stats.setdefault(seq.request_id, [0.0, 0.0]), self.decay),
+                             (self._engine_stats, 0.99)):
+            stats[0] = stats[0] * decay + num_accepted
+            stats[1] = stats[1] * decay + rejected
+        self._drafted += num_draft
+        if seq.is_finished:
+            del self._stats[seq.request_id]
+
+    def best_length(self, alpha: float, batch_size: int, margin: float | None = None, min_g: int = 0) -> int:
+        """The g maximising tokens per second. With a draft model, drafting must beat g = 0 by
+        `margin` (default draft_margin): the calibration is noisy, so a predicted gain of a few
+        percent can be a measured loss. `min_g`: the best length of at least that."""
+        margin = self.draft_margin if margin is None else margin
+        best_g, best_rate = min_g, 0.0
+        for g in range(min_g, self.max_draft + 1):
+            cost = self.costs.round_cost(batch_size, g, self.draft_is_free)
+            rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
+            if g > 0 and not self.draft_is_free:
+                rate /= 1.0 + margin
+            if rate > best_rate * 1.0001:
+                best_g, best_rate = g, rate
+        return best_g
+
+    def catch_up_pays(self, alpha: float, g: int, batch_size: int, lag: int, remaining: int) -> bool:
+        """Whether building `lag` positions of draft KV pays for itself over `remaining` tokens: per
+        emitted token a step of B sequences at g costs C(g) / (B E(g)) instead of C(0) / B. The
+        remaining count is max_tokens' bound (an EOS may come sooner), so this errs towards drafting."""
+        c0, cg = self.costs.round_cost(batch_size, 0), self.costs.round_cost(batch_size, g)
+        saved = remaining * (c0 - cg / expected_tokens(alpha, g)) / batch_size
+        return saved > self.costs.catch_up_cost(lag)
+
+    def choose(self, batch, lags: list[int] | None = None) -> list[int]:
+        """g per sequence. `lags[b]`: draft KV positions sequence b must catch up on before it can
+        draft (the drafter's catch_up_lag; None: none lags)."""
+        if not self.costs.is_calibrated:
+            return [self.max_draft] * len(batch)
+        # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
+        margin = None if self.has_evidence else 0.0
+        lengths = []
+        for s, lag in zip(batch, lags or [0] * len(batch)):
+            alpha = self.acceptance(s.request_id)
+            g = self.best_length(alpha, len(batch), margin)
+            if g and not self.draft_is_free and lag and not self.catch_up_pays(
+                    alpha, g, len(batch), lag, s.params.max_tokens - len(s.output_ids)):
+                g = 0
+            lengths.append(g)
+        if (batch and not any(lengths) and not self.draft_is_free and not self.has_evidence
+                and self.best_length(self.explore_alpha, len(batch), 0.0) > 0):
+            # Explore: the oldest sequence drafts (its draft KV is caught up once) until the draft's
+            # acceptance is known; bounded by evidence_tokens draft tokens per engine.
+            lengths[0] = self.best_length(self.acceptance(batch[0].request_id), len(batch), 0.0, min_g=1)
+        return lengths

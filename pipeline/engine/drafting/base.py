@@ -1,0 +1,138 @@
+"""Drafters: propose up to g tokens per sequence. Proposers never verify.
+
+The engine talks to a drafter only through the `Drafter` protocol below; it never reads or writes a
+drafter's attributes. Implementations:
+
+- DraftModelDrafter: a small model sharing the target's tokenizer, with its own slot KV store that
+  follows the committed history (rollback = a length). It owns its per-sequence KV lengths and
+  their catch-up. `sample_method` "greedy" proposes the draft's argmax (token only, one-hot q);
+  "probabilistic" samples from q with the sequence's draft generator and keeps q for verification.
+- NgramDrafter: prompt lookup over prompt + generated tokens (token only, free).
+- HybridDrafter: a free token-only drafter's proposal (n-gram, or suffix.py's SuffixDrafter) where
+  one exists, the draft model elsewhere.
+- NoDrafter: draft length 0, i.e. plain autoregressive decoding through the same engine.
+
+Every proposal is returned flat (DraftBatch): token ids of all sequences concatenated, with offsets.
+This module knows nothing about verification, stops or cost models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from ..core.prefix import Reuse
+from ..core.request import Sequence
+from ..core.verify import SparseProbs
+from ..model.prefill import Chunk
+from ..model.runner import ModelRunner
+
+
+@dataclass
+class DraftBatch:
+    num_draft: list[int]                 # [num_seqs] proposed tokens per sequence (may be 0)
+    draft_ids: torch.Tensor              # [num_draft_tokens] int64, flat
+    cu_num_draft: torch.Tensor           # [num_seqs + 1] int64
+    draft_probs: torch.Tensor | SparseProbs | None   # q: [num_draft_tokens, vocab] dense, sparse, or None: all one-hot
+    proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
+
+    @classmethod
+    def from_lists(cls, proposals: list[list[int]], device, probs=None) -> "DraftBatch":
+        num = [len(p) for p in proposals]
+        flat = [t for p in proposals for t in p]
+        cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
+        return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs,
+                   [list(p) for p in proposals])
+
+    def to(self, device) -> "DraftBatch":
+        move = lambda t: None if t is None else t.to(device)
+        return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
+                          self.proposals)
+
+    def tokens(self, b: int) -> list[int]:
+        return self.proposals[b]
+
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine needs from a drafter. Per round the engine calls, in order: catch_up (lazy
+    mode only), propose, then on_commit once the round's tokens are committed and the target's KV
+    rolled back; release when a sequence finishes. prefill runs with the target's prompt prefill
+    unless the engine is lazy (adaptive with a drafter that is not free)."""
+
+    @property
+    def is_free(self) -> bool:
+        """Drafting costs no model forward (n-gram lookup, none): the adaptive policy prices it at 0."""
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        """The draft model's runner (vocabulary check, calibration), or None without a model."""
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        """KV for the prompt chunks (seq, n) the target prefills this step (eager draft prefill)."""
+
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
+        """`seq` (just admitted to seq.slot, nothing computed) starts with the target's KV of its
+        prompt positions [0, reuse.num_tokens) copied from slot reuse.slot (seq.slot: left in place by
+        the slot's last holder; num_tokens 0: nothing reused). Called once per admitted sequence,
+        before any of its prefill, when the engine reuses prefixes; a drafter with its own KV may do
+        the same."""
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        """Draft KV positions to prefill before `seq` can draft (0: none needed); the adaptive
+        policy weighs it against what drafting would save."""
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        """Lazy prefill for sequences about to draft (lengths[b] > 0), at most `budget` positions in
+        all. Returns the lengths (0 where a sequence is still behind) and the positions prefilled."""
+
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
+        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b]."""
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        """The round's tokens are committed: roll per-sequence state back to the committed history."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished: forget its state."""
+
+
+
+class FreeDrafter:
+    """Base for drafters without a model or per-sequence state: the protocol's no-op members."""
+    is_free = True
+    draft_runner = None
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        pass
+
+    def reuse_prefix(self, seq: Sequence, reuse: Reuse) -> None:
+        pass
+
+    def catch_up_lag(self, seq: Sequence) -> int:
+        return 0
+
+    def catch_up(self, seqs: list[Sequence], lengths: list[int], budget: int) -> tuple[list[int], int]:
+        return list(lengths), 0
+
+    def on_commit(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+
+class NoDrafter(FreeDrafter):
+    kind = "none"
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def propose(self, seqs: list[Sequence], lengths: list[int],
+                generators: list[torch.Generator]) -> DraftBatch:
+        return DraftBatch.from_lists([[] for _ in seqs], self.device)
+

@@ -1,0 +1,138 @@
+"""Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
+
+Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len,
+head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
+KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft positions is only a
+smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
+copied or re-padded per round.
+
+Hugging Face decoder models are routed through this store with transformers' documented extension
+points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
+function registered under ATTENTION_NAME that reads the per-sequence mask. Tokens travel packed
+([1, num_tokens]) through the model, so projections and MLPs never compute padding; only attention
+unpacks them into rows.
+
+This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
+(which slots, where each sequence starts, how many new tokens each has) before every forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class SplitRows:
+    """Padded attention split in two (slot_attention): every row's first new token over the batch's
+    keys, then the other tokens of the few rows that have more ([multi, max_q - 1] padded) over
+    those rows' keys only. A step where most sequences run g = 0 and a few draft then costs what its
+    tokens cost, not every row padded to the longest draft (measured: one drafting row of 5 tokens
+    among 47 of 1 made the padded step 22% slower, bench/step_bench.py --first-q 5)."""
+    row_starts: torch.Tensor   # [batch] packed index of each row's first token
+    multi: torch.Tensor        # [multi] rows with more than one new token
+    rest_tokens: torch.Tensor  # [rest] packed index of each token past its row's first
+    rest_row: torch.Tensor     # [rest] its row's index in `multi`
+    rest_q: torch.Tensor       # [rest] its index within the row, minus one
+    kv_len: int                # keys read by the multi rows: max over them of start + num_new
+
+
+@dataclass
+class StepLayout:
+    """Where one forward's tokens go. The model sees them packed flat ([1, num_tokens]: no padding in
+    the projections and MLPs); attention unpacks them into padded [batch, max_q] rows. Every tensor
+    is a view of one buffer copied to the device once per forward (make_layout)."""
+    input_ids: torch.Tensor    # [1, num_tokens] int64 the tokens, packed row after row
+    slots: torch.Tensor        # [batch] int64 slot of each row
+    row_table: torch.Tensor    # [4, batch] int64 slot, start, number of new tokens, first packed token
+    row_ends: torch.Tensor     # [batch] int64 packed index of each row's last token
+    position_ids: torch.Tensor  # [batch, max_q] int64 RoPE positions (padding repeats the last real one)
+    is_valid: torch.Tensor     # [batch, max_q] bool real token (not padding)
+    token_row: torch.Tensor    # [num_tokens] int64 row of each packed token
+    token_q: torch.Tensor      # [num_tokens] int64 index of each packed token within its row
+    kv_len: int                # keys read per row: max over rows of start + num_new
+    slot_range: tuple[int, int] | None  # (lo, hi) when slots == arange(lo, hi): read a view, not a gather
+    flex: tuple[torch.Tensor, ...] | None = None  # block tables (set by the runner): attention over the
+                                                  # whole store, each row reading its own blocks only
+    split: SplitRows | None = None  # the padded path's split when few rows have more than one token
+    rest_mask: torch.Tensor | None = None  # the split's second mask (attention_masks), set by the runner
+    kernel: Callable | None = None  # a kernel attending each row over its own keys in the whole store
+                                    # (the runner's CPU kernel): no padding, no mask, no split
+    @property
+    def token_slot(self) -> torch.Tensor:               # [num_tokens] slot of each packed token
+        return self.slots[self.token_row]
+
+    @property
+    def flat_position_ids(self) -> torch.Tensor:        # [1, num_tokens]
+        return self.position_ids[self.token_row, self.token_q].unsqueeze(0)
+
+
+def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], device: torch.device,
+                flex: bool = False, kernel: Callable | None = None) -> StepLayout:
+    """The layout for rows of new tokens tokens[b] at positions starts[b]... in slots[b], built on
+    the host as plain ints and copied to the device in one transfer (a GPU step is otherwise a string
+    of tiny copies). flex: attention takes the FlexAttention path (the runner then sets the block
+    tables); kernel: a kernel that attends instead of the padded path (at most one of the two)."""
+    num_new = [len(t) for t in tokens]
+    batch, max_q, num_tokens = len(slots), max(num_new), sum(num_new)
+    ends, end = [], -1
+    for n in num_new:
+        end += n
+        ends.append(end)
+    firsts = [e - n + 1 for e, n in zip(ends, num_new)]                   # packed index of each row's first token
+    multi = [b for b, n in enumerate(num_new) if n > 1]
+    split = not flex and kernel is None and multi and 2 * len(multi) <= batch   # see SplitRows
+    split_ids = (multi
+                 + [e - n + 1 + q for m in multi for e, n in [(ends[m], num_new[m])] for q in range(1, n)]
+                 + [i for i, m in enumerate(multi) for _ in range(1, num_new[m])]
+                 + [q - 1 for m in multi for q in range(1, num_new[m])]) if split else []
+    host = torch.tensor(
+        [t for row in tokens for t in row] + slots + starts + num_new + firsts + ends
+        + [s + min(q, n - 1) for s, n in zip(starts, num_new) for q in range(max_q)]
+        + [int(q < n) for n in num_new for q in range(max_q)]
+        + [r for r, n in enumerate(num_new) for _ in range(n)]
+        + [q for n in num_new for q in range(n)] + split_ids, dtype=torch.long)
+    rest = num_tokens - batch
+    (input_ids, row_table, ends_t, position_ids, is_valid, token_row, token_q,
+     *split_t) = host.to(device).split([num_tokens, 4 * batch, batch] + [batch * max_q] * 2 + [num_tokens] * 2
+                                       + ([len(multi)] + [rest] * 3 if split else []))
+    row_table = row_table.view(4, batch)
+    contiguous = slots == list(range(slots[0], slots[0] + batch))
+    return StepLayout(
+        input_ids=input_ids.unsqueeze(0), slots=row_table[0], row_table=row_table, row_ends=ends_t,
+        position_ids=position_ids.view(batch, max_q), is_valid=is_valid.view(batch, max_q).bool(),
+        token_row=token_row, token_q=token_q,
+        kv_len=max(s + n for s, n in zip(starts, num_new)),
+        slot_range=(slots[0], slots[0] + batch) if contiguous else None,
+        split=SplitRows(row_table[3], *split_t, kv_len=max(starts[m] + num_new[m] for m in multi)) if split else None,
+        kernel=kernel,
+    )
+
+
+def attention_masks(layout: StepLayout, num_groups: int, dtype: torch.dtype,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The padded path's additive masks: (the one transformers hands every layer as attention_mask,
+    the split's second or None). Row (b, q) sees keys 0..position(b, q); query heads sharing a KV head
+    are folded into the query axis (see slot_attention). Unsplit: [batch, 1, num_groups * max_q,
+    kv_len]. Split: [batch, 1, num_groups, kv_len] for every row's first token, and [multi, 1,
+    num_groups * (max_q - 1), split.kv_len] for the rest."""
+    split = layout.split
+    if split is None:
+        return _mask(layout.position_ids, layout.kv_len, num_groups, dtype, sliding_window), None
+    return (_mask(layout.position_ids[:, :1], layout.kv_len, num_groups, dtype, sliding_window),
+            _mask(layout.position_ids[split.multi, 1:], split.kv_len, num_groups, dtype, sliding_window))
+
+
+def _mask(position_ids: torch.Tensor, kv_len: int, num_groups: int, dtype: torch.dtype,
+          sliding_window: int | None) -> torch.Tensor:
+    keys = torch.arange(kv_len, device=position_ids.device)                    # [kv_len]
+    pos = position_ids.unsqueeze(-1)                                           # [rows, q, 1]
+    allowed = keys <= pos                                                      # [rows, q, kv_len]
+    if sliding_window is not None:
+        allowed &= keys > pos - sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    rows, q, _ = mask.shape
+    return mask.unsqueeze(1).expand(rows, num_groups, q, kv_len).reshape(rows, 1, num_groups * q, kv_len)
+

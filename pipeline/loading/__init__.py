@@ -1,0 +1,1 @@
+"""Model files (GGUF, safetensors, the local cache) and the hardware's dtype choice."""

@@ -1,0 +1,1 @@
+"""Reports over a run's Parquet output: summary, statistics, plots."""

@@ -1,0 +1,1 @@
+"""The scheduled synthetic-data job: slots, templates, the quality gate."""
