@@ -194,15 +194,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="every system runs in this dtype; auto: what "
-                    "pipeline/hardware.py picks for this machine's CPU (resolved once, here)")
+                    "pipeline/loading/hardware.py picks for this machine's CPU (resolved once, here)")
     ap.add_argument("--all-seqs", type=int, default=32, help="our max_num_seqs in the all-at-once configurations")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
-                    help="our engine.cpu_linear (off: oneDNN-packed linears)")
+                    help="our Kernels.cpu_linear switch (off: oneDNN-packed linears)")
     ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"],
-                    help="our engine.cpu_fused (off: the model's own RMSNorm and MLP modules)")
+                    help="our Kernels.cpu_fused switch (off: the model's own RMSNorm and MLP modules)")
     ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"],
-                    help="our engine.cpu_decoder (off: the model's forward over our kernels)")
+                    help="our Kernels.cpu_decoder switch (off: the model's forward over our kernels)")
     ap.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                     help="both sides alike: our engine.prefix_reuse and vLLM's automatic prefix caching "
                          "(reset before each of its timed runs)")
@@ -235,6 +235,8 @@ def main() -> None:
             runs[cfg["name"]].append(res)
             print(f"[{rep}] {cfg['name']}: " + (f"{res['tokens_per_s']:.1f} tok/s" if "error" not in res
                                                  else "FAILED " + res["error"][-300:]), flush=True)
+            if rep == 0 and "kernels" in res:
+                print("    kernels: " + "; ".join(res["kernels"]), flush=True)
     for mode in sorted({c["vllm"] for c in configs if "vllm" in c}):
         got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, args.repeats,
                        workdir / f"vllm_{mode}.json", common, args.prefix_cache)

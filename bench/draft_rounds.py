@@ -15,7 +15,8 @@ import json
 
 import torch
 
-from pipeline.job.config import EngineSection, ModelsConfig, SuffixSection
+from pipeline.engine import DraftingConfig, EngineConfig, SuffixParams
+from pipeline.job.config import ModelsConfig
 from pipeline.engine import SamplingParams
 from pipeline.job.runtime import build_engine
 
@@ -46,18 +47,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--drafter", default="suffix", choices=["ngram", "suffix"])
-    ap.add_argument("--suffix", default="{}", help="models.suffix fields as JSON")
+    ap.add_argument("--suffix", default="{}", help="drafting.suffix fields as JSON")
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = json.load(open(args.prompts))[:args.n]
-    models = ModelsConfig(target="smollm2-135m-instruct", drafter=args.drafter, dtype="float32", device="cpu",
-                          suffix=SuffixSection(**json.loads(args.suffix)))
-    section = EngineSection(max_num_seqs=args.batch, max_model_len=max(map(len, prompts)) + args.max_tokens + 8,
-                            num_speculative_tokens=args.g, max_prefill_tokens=2048)
-    engine = build_engine(models, section).engine
+    models = ModelsConfig(target="smollm2-135m-instruct", dtype="float32", device="cpu")
+    drafting = DraftingConfig(method=args.drafter, num_speculative_tokens=args.g,
+                              suffix=SuffixParams(**json.loads(args.suffix)))
+    section = EngineConfig(max_num_seqs=args.batch, max_model_len=max(map(len, prompts)) + args.max_tokens + 8,
+                           max_prefill_tokens=2048)
+    engine = build_engine(models, drafting, section).engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params, seed=i)

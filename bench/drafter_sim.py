@@ -1,8 +1,8 @@
 """Free drafters replayed offline on recorded greedy outputs: tokens per round and acceptance for any
 drafter setting in seconds, no model run.
 
-    .venv/bin/python -m bench.drafter_sim --run bench/out/v2/drafters/grounded_none_b4.json \
-        --prompts bench/out/v2/drafters/prompts_grounded_12.json --batch 4 \
+    .venv/bin/python -m bench.drafter_sim --run bench/out/drafters/grounded_none_b4.json \
+        --prompts bench/out/drafters/prompts_grounded_16.json --batch 4 \
         --suffix '{}' --suffix '{"max_spec_factor": 2}' --ngram
 
 Greedy output does not depend on the drafts (the engine's exactness), so a round is replayed exactly:
@@ -36,7 +36,7 @@ def replay(drafter, prompts: list[list[int]], outputs: list[list[int]], batch: i
     while waiting or running:
         while waiting and len(running) < batch:
             i = waiting.popleft()
-            running.append((Sequence(f"s{i}", list(prompts[i]), SamplingParams(max_tokens=len(outputs[i])), seed=0),
+            running.append((Sequence(f"s{i}", list(prompts[i]), SamplingParams(max_tokens=len(outputs[i]), temperature=1.0), seed=0),
                             outputs[i]))
         drafts = []
         for seq, out in running:

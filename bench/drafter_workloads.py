@@ -1,7 +1,7 @@
-"""Drafters side by side on three workloads (issue 12): our engine with no draft, n-gram, suffix and
+"""Drafters side by side on three workloads: our engine with no draft, n-gram, suffix and
 adaptive suffix, all at once and at batch 4, each configuration in its own process (bench/run_one.py).
 
-    .venv/bin/python -m bench.drafter_workloads --n 16 --max-tokens 128 --out bench/out/v2/drafters.json
+    .venv/bin/python -m bench.drafter_workloads --n 16 --max-tokens 128 --out bench/out/drafters.json
 
 Workloads (token-id prompt files, chat template applied):
   mixed      bench/out/prompts_smollm2_256.json   the main bench's prompts (MT-bench + HumanEval + CoQA)
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--batches", default="all,b4", help="all (every prompt at once) and/or bN (N running)")
     ap.add_argument("--drafters", default=DRAFTERS, help="drafter or drafter+adaptive, comma-separated; "
                                                           "speedups are over the first (give none first)")
-    ap.add_argument("--suffix", default="{}", help="models.suffix fields as JSON for the suffix runs")
+    ap.add_argument("--suffix", default="{}", help="drafting.suffix fields as JSON for the suffix runs")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (tok/s: median, min-max)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

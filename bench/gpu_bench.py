@@ -21,7 +21,7 @@ runs for at most --config-s seconds; a configuration cut short reports what it p
 configuration not started within --budget-s is listed as skipped. Results print as they come and are
 written after every configuration to --out, or $OUT/gpu_bench.json when $OUT is set.
 
-Imports only torch, transformers and pipeline.engine / pipeline.models: no omegaconf, Ray or pyarrow.
+Imports only torch, transformers and pipeline.engine / pipeline.loading: no omegaconf, Ray or pyarrow.
 """
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.engine import EngineConfig, ModelRunner, NgramDrafter, SamplingParams, SpecEngine
+from pipeline.engine import DraftingConfig, EngineConfig, NgramDrafter, SamplingParams, SpecEngine
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.loading.models import DTYPES, ModelSpec, load_model
+from pipeline.engine.model.runner import build_runner
 
 H200_HBM_BYTES_PER_S = 4.8e12
 SHAPES = {   # name -> (model class, config); random-init, the real models' shapes
@@ -115,13 +116,12 @@ def floor(weight_bytes: int, kv_per_token: int, seqs_per_step: float, mean_conte
 # ---- one configuration ----------------------------------------------------------------------------
 def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max_len: int, g: int) -> SpecEngine:
     # the uncaptured dry run needs torch's attention: the graphs replay the model's own forward
-    runner = ModelRunner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
+    runner = build_runner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
                          cpu_attention="off" if graphs == UNCAPTURED else "auto")
     ngram = NgramDrafter(2, 4, device=runner.device) if drafter == "ngram" else None
-    cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, num_speculative_tokens=g,
-                       max_prefill_tokens=4096, compile=compile,
+    cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, max_prefill_tokens=4096, compile=compile,
                        cuda_graphs="off" if graphs == UNCAPTURED else graphs)   # not a config value
-    return SpecEngine(runner, ngram, cfg, eos_token_ids=[])
+    return SpecEngine(runner, ngram, cfg, eos_token_ids=[], drafting=DraftingConfig(num_speculative_tokens=g))
 
 
 def drive(engine: SpecEngine, prompts, params: SamplingParams, prefix: str, deadline: float) -> dict:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 9, one command, on a machine with one CUDA device and torch + transformers
+# The GPU check, one command, on a machine with one CUDA device and torch + transformers
 # installed (no Ray, vLLM or network needed):
 #
 #     bash bench/gpu_check.sh [MODEL_DIR ...]
@@ -40,8 +40,8 @@ for name in ("triton", "numpy", "safetensors", "tokenizers", "pytest"):
         print(f"  {name} {getattr(importlib.import_module(name), '__version__', '?')}")
     except ImportError:
         print(f"  {name} MISSING")
-import pipeline.engine, pipeline.models   # what the check imports from the project
-print("pipeline.engine and pipeline.models import")
+import pipeline.engine, pipeline.loading.models   # what the check imports from the project
+print("pipeline.engine and pipeline.loading.models import")
 EOF
 [ $? -eq 0 ] || { log "the environment check failed (above): nothing else can run"; exit 2; }
 # Without a CUDA device every GPU test skips and the benchmark cannot start on cuda: say so and fail,

@@ -1,5 +1,5 @@
 """The CPU linear kernels side by side at the shapes a forward has: torch's `F.linear`, oneDNN's
-packed linear and our panel kernel (pipeline/engine/cpu_linear.py, csrc/panel_linear.c).
+packed linear and our panel kernel (pipeline/engine/backends/cpu/linear.py, csrc/panel_linear.c).
 
     .venv/bin/python -m bench.linear_kernels --threads 2 --weights qwen-mlp
     .venv/bin/python -m bench.linear_kernels --threads 2 --weights smollm2 --rows 1 2 4 8 24 64 256 2048

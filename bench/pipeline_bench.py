@@ -50,8 +50,8 @@ def write_shards(n: int, folder: Path, files: int = 2) -> list[dict]:
 
 
 def job_overrides(args, workers: int, threads: int, out: Path) -> list[str]:
-    return [f"models.target={MODEL}", "models.drafter=ngram", "models.dtype=float32",
-            f"engine.max_num_seqs={args.batch}", "engine.max_model_len=1024", "engine.num_speculative_tokens=4",
+    return [f"models.target={MODEL}", "drafting.method=ngram", "models.dtype=float32",
+            f"engine.max_num_seqs={args.batch}", "engine.max_model_len=1024", "drafting.num_speculative_tokens=4",
             f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=0", f"input.path={args.shards}",
             f"input.rows_per_unit={args.rows_per_unit}", f"output.path={out}", "run.run_id=bench",
             "run.progress=false", f"cluster.num_workers={workers}", f"cluster.num_cpus_per_worker={threads}"]
@@ -65,7 +65,7 @@ def run_engine(args, threads: int) -> dict:
     from pipeline.job.runtime import build_engine, prompt_ids
     torch.set_num_threads(threads)
     cfg = load_config(None, job_overrides(args, 1, threads, Path("/tmp/unused")))
-    loaded = build_engine(cfg.models, cfg.engine)
+    loaded = build_engine(cfg.models, cfg.drafting, cfg.engine)
     engine, tok = loaded.engine, loaded.tokenizer
     rows = [r for f in sorted(Path(args.shards).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     prompts = [prompt_ids(tok, None, r["messages"]) for r in rows]

@@ -18,7 +18,8 @@ import time
 import torch
 
 from bench import hf_baselines
-from pipeline.job.config import DRAFT_MODEL_KINDS, EngineSection, ModelsConfig, SuffixSection
+from pipeline.engine import DraftingConfig, EngineConfig, Kernels, SuffixParams
+from pipeline.job.config import ModelsConfig
 from pipeline.engine import SamplingParams
 from pipeline.loading.hardware import resolve_dtype
 from pipeline.loading.models import ModelSpec, load_model
@@ -44,16 +45,18 @@ def current_rss_mb() -> float:
 def run_engine(args, prompts: list[list[int]]) -> dict:
     target, draft = MODELS[args.model]
     drafter = args.drafter
-    models = ModelsConfig(target=target, draft=draft if drafter in DRAFT_MODEL_KINDS else None,
-                          drafter=drafter, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                          draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                          suffix=SuffixSection(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)
+    drafting = DraftingConfig(method=drafter, num_speculative_tokens=args.g, adaptive=args.adaptive,
+                              draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                              suffix=SuffixParams(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)
+    models = ModelsConfig(target=target, draft=draft if drafting.uses_draft_model else None,
+                          dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
-    section = EngineSection(max_num_seqs=args.batch, max_model_len=max_len, num_speculative_tokens=args.g,
-                            adaptive=args.adaptive, max_prefill_tokens=2048, compile=args.compile,
-                            cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused, cpu_decoder=args.cpu_decoder,
-                            prefix_reuse=args.prefix_reuse == "on")
-    engine = build_engine(models, section).engine
+    section = EngineConfig(max_num_seqs=args.batch, max_model_len=max_len, max_prefill_tokens=2048,
+                           compile=args.compile, prefix_reuse=args.prefix_reuse == "on")
+    kernels = Kernels(cpu_linear=args.cpu_linear, cpu_fused=args.cpu_fused, cpu_decoder=args.cpu_decoder)
+    loaded = build_engine(models, drafting, section, kernels)
+    print("\n".join(([loaded.slots_reason] if loaded.slots_reason else []) + loaded.plan_lines()), file=sys.stderr)
+    engine = loaded.engine
     if args.calibrate or args.adaptive:
         engine.calibrate()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -83,7 +86,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             "prefix_reused_tokens": engine.prefixes.num_reused if engine.prefixes is not None else 0,
             # tokens each model forwarded in the timed run (prefill, catch-up, drafts, verification)
             "target_forward_tokens": engine.target.num_forward_tokens - forwarded[0],
-            "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0}
+            "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0,
+            "kernels": loaded.plan_lines()}
 
 
 def _drain(engine, prompts, params, prefix):
@@ -119,15 +123,15 @@ def main() -> None:
     ap.add_argument("--drafter", default="none", choices=["none", "ngram", "suffix", "draft", "hybrid"])
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--hybrid-proposer", default="ngram", choices=["ngram", "suffix"],
-                    help="hybrid's free first part (models.hybrid_proposer)")
+                    help="hybrid's free first part (drafting.hybrid_proposer)")
     ap.add_argument("--calibrate", action="store_true", help="measure cost curves (for the speedup model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
-    ap.add_argument("--suffix", default="{}", help='models.suffix fields as JSON, e.g. {"max_spec_factor": 2}')
+    ap.add_argument("--suffix", default="{}", help='drafting.suffix fields as JSON, e.g. {"max_spec_factor": 2}')
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto", help="auto (this machine decides: pipeline/hardware.py) "
+    ap.add_argument("--dtype", default="auto", help="auto (this machine decides: pipeline/loading/hardware.py) "
                     "| float32 | bfloat16 | float16")
     ap.add_argument("--draft-dtype", default="same", help="models.draft_dtype: same (as --dtype) | auto | "
                     "float32 | bfloat16 | float16")
@@ -135,9 +139,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
-    ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="engine.cpu_linear")
-    ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="engine.cpu_fused")
-    ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help="engine.cpu_decoder")
+    ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_linear (a switch under engine.kernels)")
+    ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_fused (a switch under engine.kernels)")
+    ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_decoder (a switch under engine.kernels)")
     ap.add_argument("--prefix-reuse", default="on", choices=["on", "off"], help="engine.prefix_reuse")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--out", required=True)

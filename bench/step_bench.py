@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.model.runner import build_runner, ModelRunner
 from pipeline.loading.models import ModelSpec, load_model
 
 WORKLOADS = {
@@ -64,9 +64,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--modes", default="cpu,off,on,auto",
-                    help="cpu: our CPU kernel (engine.cpu_attention); off/on/auto: engine.compile with it off")
+                    help="cpu: our CPU kernel (Kernels.cpu_attention); off/on/auto: engine.compile with it off")
     ap.add_argument("--linears", default="panel",
-                    help="panel: our CPU linear kernel (engine.cpu_linear); onednn: oneDNN-packed weights")
+                    help="panel: our CPU linear kernel (Kernels.cpu_linear); onednn: oneDNN-packed weights")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--sweep", default="", help="comma-separated row counts (see the docstring)")
     args = ap.parse_args()
@@ -79,7 +79,7 @@ def main() -> None:
     for mode, linear in [(m, lin) for m in args.modes.split(",") for lin in args.linears.split(",")]:
         model, _ = load_model(ModelSpec(args.model, args.dtype, args.device))
         t0 = time.perf_counter()
-        runner = ModelRunner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
+        runner = build_runner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
                              args.max_model_len, compile="off" if mode == "cpu" else mode,
                              cpu_attention="on" if mode == "cpu" else "off",
                              cpu_linear="on" if linear == "panel" else "off")

@@ -8,8 +8,8 @@ Each shape is rows x tokens per row at ~330 context (300-360), or from a given p
 2048-token prefill chunk of 8 prompts). The kernels' calls are timed by
 wrapping them (wall clock around each call; the kernels are synchronous on CPU); "rest" is the
 step's wall time less those. Median over --repeats steps after 2 warm-ups; one process, one model
-per dtype and setting (--fused: engine.cpu_fused, auto = RMSNorm and the MLP's SiLU product fused,
-off = the model's modules; --decoder: engine.cpu_decoder, auto = the forward as one loop over our
+per dtype and setting (--fused: Kernels.cpu_fused, auto = RMSNorm and the MLP's SiLU product fused,
+off = the model's modules; --decoder: Kernels.cpu_decoder, auto = the forward as one loop over our
 kernels, off = the model's forward), their steps interleaved so the box's drift hits every setting
 alike.
 """
@@ -23,7 +23,7 @@ import time
 import torch
 
 from pipeline.engine.backends.cpu import attention as cpu_attention, linear as cpu_linear
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.model.runner import build_runner
 from pipeline.loading.models import ModelSpec, load_model
 
 SPENT: collections.Counter = collections.Counter()
@@ -53,8 +53,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--shapes", default="32x1,64x1,32x5", help="rows x tokens per row, comma-separated")
-    ap.add_argument("--fused", default="auto,off", help="engine.cpu_fused settings to compare")
-    ap.add_argument("--decoder", default="off", help="engine.cpu_decoder settings to compare")
+    ap.add_argument("--fused", default="auto,off", help="Kernels.cpu_fused settings to compare")
+    ap.add_argument("--decoder", default="off", help="Kernels.cpu_decoder settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
@@ -69,7 +69,7 @@ def main() -> None:
         for fused in args.fused.split(","):
             for decoder in args.decoder.split(","):
                 model, _ = load_model(ModelSpec(args.model, dtype, "cpu"))
-                runners[f"{fused} / {decoder}"] = ModelRunner(model, max(r for r, _, _ in shapes), 1024,
+                runners[f"{fused} / {decoder}"] = build_runner(model, max(r for r, _, _ in shapes), 1024,
                                                               cpu_attention="on", cpu_linear="on",
                                                               cpu_fused=fused, cpu_decoder=decoder)
         for rows, q, start in shapes:

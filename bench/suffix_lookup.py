@@ -51,7 +51,7 @@ def run(batch: int, cached: int, rounds: int, g: int, out_len: int, seed: int = 
     rng = random.Random(seed)
     row = make_job(rng, out_len)
     drafter = SuffixDrafter(SuffixParams(max_cached_tokens=1 << 20))
-    params = SamplingParams(max_tokens=out_len)
+    params = SamplingParams(max_tokens=out_len, temperature=1.0)
     for _ in range(cached):
         prompt, truth = row()
         drafter.release(Sequence("c", prompt, params, 0, truth))

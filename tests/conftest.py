@@ -32,9 +32,31 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 # the two cores are shared with other processes.
 torch.set_num_threads(1)
 
-from pipeline.engine import DraftModelDrafter, EngineConfig, HybridDrafter, ModelRunner, NgramDrafter, SamplingParams, SpecEngine, SuffixDrafter, SuffixParams
+from pipeline.engine import DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, NgramDrafter, SamplingParams, SpecEngine, SuffixDrafter, SuffixParams
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
-from pipeline.engine.model.runner import cache_kwarg
+from pipeline.engine.model.runner import build_runner, cache_kwarg
+
+def _missing(marker: str) -> str | None:
+    """Why this machine cannot run tests marked `marker`, or None."""
+    if marker == "gpu":
+        return None if torch.cuda.is_available() else "needs a CUDA device (torch sees none)"
+    if marker == "avx512_bf16":
+        from pipeline.loading.hardware import cpu_flags
+        return None if "avx512_bf16" in cpu_flags() else "needs a CPU with avx512_bf16 (the bf16 kernels' instructions)"
+    if marker == "needs_cc":
+        from pipeline.engine.backends.cpu.build import compiler
+        return None if compiler() else "needs a C compiler (cc/gcc on PATH) to build our CPU kernels"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers gpu, avx512_bf16 and needs_cc skip with the reason in the skip summary (-ra)."""
+    reasons = {m: _missing(m) for m in ("gpu", "avx512_bf16", "needs_cc")}
+    for item in items:
+        for marker, reason in reasons.items():
+            if reason and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=f"{marker}: {reason}"))
+
 
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
 
@@ -70,7 +92,7 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy" if kind == "suffix-greedy"
                                           else "probabilistic"))
     method = "probabilistic" if kind in ("draft-prob", "hybrid-suffix-prob") else "greedy"
-    model_drafter = DraftModelDrafter(ModelRunner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
+    model_drafter = DraftModelDrafter(build_runner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
                                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear,
                                                   cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs), method)
     if kind in ("hybrid-suffix", "hybrid-suffix-prob"):   # suffix drafts sampled from counts where sampling
@@ -90,18 +112,16 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
                            cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs)
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=g,
-                       adaptive=adaptive, max_prefill_tokens=max_prefill_tokens, compile=compile,
-                       cpu_attention=cpu_attention, cpu_linear=cpu_linear, prefix_reuse=prefix_reuse,
-                       cpu_decoder=cpu_decoder, cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
-    # The runner regroups its model's linears in place on CPU (cpu_linear.py): it gets its own copy, so
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                       compile=compile, prefix_reuse=prefix_reuse,
+                       cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
+    # The runner regroups its model's linears in place on CPU (cpu/linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
-    return SpecEngine(ModelRunner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
-                                  cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
-                                  cuda_graphs=cuda_graphs),
-                      drafter,
-                      cfg, list(eos),
-                      decode)
+    return SpecEngine(build_runner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
+                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
+                                   cuda_graphs=cuda_graphs),
+                      drafter, cfg, list(eos), decode,
+                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive))
 
 
 def run_requests(engine, prompts, params, arrive_every: int = 0, seeds=None, ids=None):

@@ -38,8 +38,8 @@ def job_overrides(model_dir: Path, input_path: str, output_path: str, *overrides
     """job_config's settings as `key=value` overrides (for `python jobs/generate.py ...`)."""
     # draft_dtype same: a test that makes the target its own draft expects every draft accepted, which
     # holds only with the draft in the target's dtype (auto would pick bf16 on a CPU with bf16)
-    base = [f"models.target={model_dir}", "models.drafter=ngram", "models.dtype=float32", "models.draft_dtype=same",
-            "engine.max_num_seqs=4", "engine.max_model_len=256", "engine.num_speculative_tokens=3",
+    base = [f"models.target={model_dir}", "drafting.method=ngram", "models.dtype=float32", "models.draft_dtype=same",
+            "engine.max_num_seqs=4", "engine.max_model_len=256", "drafting.num_speculative_tokens=3",
             "sampling.max_tokens=8", "sampling.temperature=0", f"input.path={input_path}",
             "input.rows_per_unit=5", f"output.path={output_path}", "run.run_id=t", "run.progress=false",
             "cluster.num_workers=2", "cluster.num_cpus_per_worker=1"]

@@ -3,7 +3,8 @@ other sequences in the batch."""
 import pytest
 
 from conftest import make_engine, mixed_prompts, run_requests, tiny_llama
-from pipeline.engine import DraftModelDrafter, EngineConfig, ModelRunner, RequestError, SamplingParams, SpecEngine
+from pipeline.engine import DraftingConfig, DraftModelDrafter, EngineConfig, RequestError, SamplingParams, SpecEngine
+from pipeline.engine.model.runner import build_runner
 
 
 @pytest.mark.parametrize("kwargs, field, expected", [
@@ -40,16 +41,16 @@ def test_bad_prompts(target_model):
 
 def test_mismatched_draft_vocabulary(target_model):
     other = tiny_llama(vocab=300)
-    drafter = DraftModelDrafter(ModelRunner(other, 2, 64, pack_linear=False))
+    drafter = DraftModelDrafter(build_runner(other, 2, 64, packed_linear=False))
     with pytest.raises(ValueError, match=r"draft vocabulary \(300\) does not match the target's \(512\)"):
-        SpecEngine(ModelRunner(target_model, 2, 64, pack_linear=False), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
+        SpecEngine(build_runner(target_model, 2, 64, packed_linear=False), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
 
 
 def test_bad_engine_config():
     with pytest.raises(ValueError, match="engine.max_num_seqs: expected an integer >= 1"):
         EngineConfig(max_num_seqs=0)
-    with pytest.raises(ValueError, match="engine.num_speculative_tokens"):
-        EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="drafting.num_speculative_tokens"):
+        DraftingConfig(num_speculative_tokens=-1)
 
 
 def test_bad_request_does_not_disturb_batch(target_model, draft_model):

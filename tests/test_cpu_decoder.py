@@ -14,11 +14,10 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from pipeline.engine.backends.cpu import decoder as cpu_decoder, fused as cpu_fused, build as cpu_kernels, linear as cpu_linear
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.backends.cpu import decoder as cpu_decoder, fused as cpu_fused
+from pipeline.engine.model.runner import build_runner
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
-                                reason="no C compiler here: the kernels cannot be built")
+pytestmark = pytest.mark.needs_cc
 
 COMMON = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, tie_word_embeddings=False)
@@ -41,8 +40,8 @@ def _model(family: str, dtype: torch.dtype, seed: int = 0):
 
 
 def _pair(model, slots: int = 5, max_len: int = 200):
-    loop = ModelRunner(copy.deepcopy(model), slots, max_len, cpu_decoder="on")
-    modules = ModelRunner(copy.deepcopy(model), slots, max_len, cpu_decoder="off")
+    loop = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="on")
+    modules = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="off")
     assert loop.decoder is not None and modules.decoder is None
     return loop, modules
 
@@ -77,15 +76,9 @@ def _assert_same(loop, modules, steps=STEPS):
     assert loop.num_forward_tokens == modules.num_forward_tokens
 
 
-def _bf16_linear_missing() -> str | None:
-    return cpu_linear.unavailable(torch.device("cpu"), torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.avx512_bf16)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_loop_is_bitwise_the_modules(family, dtype):
-    if dtype == torch.bfloat16 and _bf16_linear_missing():
-        pytest.skip(f"no bf16 panel kernel on this CPU ({_bf16_linear_missing()}): bf16 keeps the modules")
     loop, modules = _pair(_model(family, dtype))
     assert loop.decoder.merged == COMMON["num_hidden_layers"]          # q/k/v as one linear everywhere
     _assert_same(loop, modules)
@@ -94,7 +87,7 @@ def test_loop_is_bitwise_the_modules(family, dtype):
 def test_loop_matches_hf_forward_within_rounding():
     """Against Hugging Face's own forward (torch's linears, no slot store): a prompt in chunks."""
     model = _model("qwen3", torch.float32)
-    loop = ModelRunner(copy.deepcopy(model), 3, 128, cpu_decoder="on")
+    loop = build_runner(copy.deepcopy(model), 3, 128, cpu_decoder="on")
     ids = torch.randint(0, COMMON["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
     first = loop.forward([1], [0], [ids[0, :18].tolist()], "all")
     rest = loop.forward([1], [18], [ids[0, 18:].tolist()], "all")
@@ -116,7 +109,7 @@ def test_unmerged_projections_take_three_calls():
 def test_modules_on_the_merged_panels_compute_the_same():
     """The merge leaves q/k/v_proj holding views of one buffer: the model's own forward through them
     (the runner with its loop taken away) gives what the loop gives."""
-    loop = ModelRunner(_model("llama", torch.float32), 5, 200, cpu_decoder="on")
+    loop = build_runner(_model("llama", torch.float32), 5, 200, cpu_decoder="on")
     attn = loop.model.model.layers[1].self_attn
     merged = loop.decoder.layers[1].qkv
     assert attn.k_proj.panels.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
@@ -133,23 +126,23 @@ def test_modules_on_the_merged_panels_compute_the_same():
 def test_modes_and_refusals():
     model = _model("llama", torch.float32)
     # auto: not where a kernel it runs on is off
-    assert ModelRunner(copy.deepcopy(model), 2, 64, cpu_attention="off").decoder is None
-    assert ModelRunner(copy.deepcopy(model), 2, 64, cpu_fused="off").decoder is None
-    assert ModelRunner(copy.deepcopy(model), 2, 64, pack_linear=False).decoder is None
-    with pytest.raises(RuntimeError, match="engine.cpu_decoder=on.*cpu_attention is not in use"):
-        ModelRunner(copy.deepcopy(model), 2, 64, cpu_attention="off", cpu_decoder="on")
-    with pytest.raises(ValueError, match="engine.cpu_decoder: expected one of"):
-        ModelRunner(copy.deepcopy(model), 2, 64, cpu_decoder="yes")
+    assert build_runner(copy.deepcopy(model), 2, 64, cpu_attention="off").decoder is None
+    assert build_runner(copy.deepcopy(model), 2, 64, cpu_fused="off").decoder is None
+    assert build_runner(copy.deepcopy(model), 2, 64, packed_linear=False).decoder is None
+    with pytest.raises(RuntimeError, match="cpu_decoder=on.*cpu_attention is not in use"):
+        build_runner(copy.deepcopy(model), 2, 64, cpu_attention="off", cpu_decoder="on")
+    with pytest.raises(ValueError, match="cpu_decoder: expected one of"):
+        build_runner(copy.deepcopy(model), 2, 64, cpu_decoder="yes")
     # a model class it does not know, even a subclass of one it does
     sub = type("MyLlama", (LlamaForCausalLM,), {})(model.config).eval()
     with pytest.raises(RuntimeError, match="MyLlama: the loop knows"):
-        ModelRunner(sub, 2, 64, cpu_decoder="on")
+        build_runner(sub, 2, 64, cpu_decoder="on")
     # a sliding window shorter than the context served: the kernels attend to every key
     torch.manual_seed(0)
     windowed = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=32)).eval()
     with pytest.raises(RuntimeError, match="sliding window 32 < max_model_len 64"):
-        ModelRunner(copy.deepcopy(windowed), 2, 64, cpu_decoder="on")
-    assert ModelRunner(windowed, 2, 32, cpu_decoder="on").decoder is not None
+        build_runner(copy.deepcopy(windowed), 2, 64, cpu_decoder="on")
+    assert build_runner(windowed, 2, 32, cpu_decoder="on").decoder is not None
 
 
 def test_rope_store_refuses_positions_outside_the_store():

@@ -14,12 +14,11 @@ from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from conftest import tiny_llama
-from pipeline.engine.backends.cpu import fused as cpu_fused, build as cpu_kernels
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.backends.cpu import fused as cpu_fused
+from pipeline.engine.model.runner import build_runner
 
 # Only a missing compiler skips: kernels that build but fail their self-check fail these tests.
-pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
-                                reason="no C compiler here: the kernels cannot be built")
+pytestmark = pytest.mark.needs_cc
 
 BF16_ULP = 2.0 ** -7          # one unit in the last place of a bf16 in [1, 2): relative spacing
 
@@ -120,14 +119,14 @@ def test_fuse_leaves_other_activations_alone():
 
 def test_runner_modes():
     model = tiny_llama(seed=6)
-    off = ModelRunner(copy.deepcopy(model), 2, 64, cpu_fused="off")
+    off = build_runner(copy.deepcopy(model), 2, 64, cpu_fused="off")
     assert (off.fused_norms, off.fused_mlps) == (0, 0) and off.cpu_fused is None
-    auto = ModelRunner(copy.deepcopy(model), 2, 64)
+    auto = build_runner(copy.deepcopy(model), 2, 64)
     assert (auto.fused_norms, auto.fused_mlps) == (5, 2)
-    with pytest.raises(RuntimeError, match="engine.cpu_fused=on.*float16"):
-        ModelRunner(copy.deepcopy(model).half(), 2, 64, cpu_fused="on")
-    with pytest.raises(ValueError, match="engine.cpu_fused: expected one of"):
-        ModelRunner(copy.deepcopy(model), 2, 64, cpu_fused="yes")
+    with pytest.raises(RuntimeError, match="cpu_fused=on.*float16"):
+        build_runner(copy.deepcopy(model).half(), 2, 64, cpu_fused="on")
+    with pytest.raises(ValueError, match="cpu_fused: expected one of"):
+        build_runner(copy.deepcopy(model), 2, 64, cpu_fused="yes")
 
 
 class _SwappedHalves(cpu_fused.FusedOps):

@@ -15,13 +15,12 @@ from conftest import mixed_prompts, tiny_llama
 from pipeline.errors import ConfigError
 from pipeline.job.config import load_config
 from pipeline.engine.backends.cpu import attention as cpu_attention, build as cpu_kernels, linear as cpu_linear
-from pipeline.engine.engine import EngineConfig
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.model.plan import Kernels
+from pipeline.engine.model.runner import build_runner
 from pipeline.loading.hardware import cpu_flags
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
-pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
-                                reason="no C compiler here: the kernels cannot be built")
+pytestmark = pytest.mark.needs_cc
 
 
 @pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_linear.SOURCE], ids=lambda p: p.stem)
@@ -65,7 +64,6 @@ def kernel(dtype=torch.float32) -> cpu_linear.PanelKernel:
 # The bf16 kernel needs the CPU's bf16 dot products (avx512_bf16): only their absence skips its
 # tests; where the CPU has them, a kernel that fails to build or its self-check fails them.
 HAS_BF16_CPU = "avx512_bf16" in cpu_flags()
-needs_bf16 = pytest.mark.skipif(not HAS_BF16_CPU, reason="this CPU has no avx512_bf16: no bf16 kernel")
 
 
 def test_panels_layout():
@@ -105,7 +103,7 @@ def test_pair_panels_layout():
             assert panels[n // 16, k // 2, n % 16, k % 2] == (w[n, k] if n < 20 and k < 5 else 0)
 
 
-@needs_bf16
+@pytest.mark.avx512_bf16
 @pytest.mark.parametrize("m", [1, 2, 11, 12, 13, 97, 200])
 @pytest.mark.parametrize("n,k", [(3, 1), (16, 37), (40, 514), (33, 1101)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -125,7 +123,7 @@ def test_bf16_kernel_equals_float64_linear(m, n, k, bias):
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
 
 
-@needs_bf16
+@pytest.mark.avx512_bf16
 def test_bf16_panel_linear_and_runner():
     """PanelLinear in bf16 matches torch's bf16 nn.Linear (both round y once); a bf16 model's runner
     takes the bf16 panels, and its logits stay within bf16 noise of the model's own."""
@@ -140,7 +138,7 @@ def test_bf16_panel_linear_and_runner():
         cpu_linear.PanelLinear(nn.Linear(8, 8), kernel(torch.bfloat16))
     model = tiny_llama(seed=3).bfloat16()
     plain = copy.deepcopy(model)
-    runner = ModelRunner(model, 2, 64)
+    runner = build_runner(model, 2, 64)
     assert runner.panel_linears > 0 and runner.cpu_linear.dtype == torch.bfloat16
     ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
     with torch.no_grad():
@@ -184,7 +182,7 @@ def test_a_model_with_panels_copies_and_pickles():
 def test_runner_uses_panels_by_default_on_cpu_fp32():
     model = tiny_llama(seed=3)
     plain = copy.deepcopy(model)
-    runner = ModelRunner(model, 2, 64)
+    runner = build_runner(model, 2, 64)
     num_linear = sum(type(m) is nn.Linear for m in plain.modules())      # gate + up: one linear (cpu_fused)
     assert runner.fused_mlps == 2
     assert runner.panel_linears == num_linear - runner.fused_mlps > 0 and runner.packed_linears == 0
@@ -192,7 +190,7 @@ def test_runner_uses_panels_by_default_on_cpu_fp32():
     ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
-    off = ModelRunner(tiny_llama(), 2, 64, cpu_linear="off")                  # oneDNN's packing instead
+    off = build_runner(tiny_llama(), 2, 64, cpu_linear="off")                  # oneDNN's packing instead
     assert off.panel_linears == 0 and off.cpu_linear is None
 
 
@@ -209,17 +207,26 @@ def test_modes():
         assert cpu_linear.policy("auto", cpu, torch.bfloat16) is None
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             cpu_linear.policy("on", cpu, torch.bfloat16)
-    with pytest.raises(ValueError, match="engine.cpu_linear"):
+    with pytest.raises(ValueError, match="cpu_linear"):
         cpu_linear.policy("maybe", cpu, torch.float32)
     with pytest.raises(ValueError, match="packed_linear"):
-        EngineConfig(cpu_linear="on", packed_linear=False)
+        Kernels(cpu_linear="on", packed_linear=False)
 
 
 @pytest.mark.parametrize("key", ["cpu_attention", "cpu_linear"])
-def test_config_keys(tmp_path, key):
+def test_per_kernel_switches_are_not_config_keys(tmp_path, key):
+    """The per-kernel switches are seams (Kernels), not job config: naming one fails, pointing at
+    engine.kernels; engine.kernels itself takes auto | torch."""
     path = tmp_path / "job.yaml"
-    path.write_text(f"engine:\n  {key}: off\n")                       # YAML 1.1 reads a bare off as False
-    assert getattr(load_config(str(path)).engine, key) == "off"
-    assert getattr(load_config(None, []).engine, key) == "auto"
-    with pytest.raises(ConfigError, match=f"engine.{key}"):
-        load_config(None, [f"engine.{key}=sometimes"])
+    path.write_text(f"engine:\n  {key}: off\n")
+    with pytest.raises(ConfigError, match=rf"engine.{key} was replaced by engine.kernels"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=rf"engine.{key} was replaced by engine.kernels"):
+        load_config(None, [f"engine.{key}=off"])
+    assert load_config(None, ["engine.kernels=torch"]).engine.kernels == "torch"
+    assert Kernels.of("torch") == Kernels(packed_linear=False, cpu_attention="off", cpu_linear="off",
+                                          cpu_fused="off", cpu_decoder="off")
+    with pytest.raises(ConfigError, match="engine.kernels"):
+        load_config(None, ["engine.kernels=sometimes"])
+
+

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
-from pipeline.engine import ModelRunner, SamplingParams
+from pipeline.engine import SamplingParams
 from pipeline.engine.backends.cpu.build import compiler
 from pipeline.engine.backends.cpu.linear import PackedLinear, can_pack, pack_linears
+from pipeline.engine.model.runner import build_runner
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="oneDNN not available in this torch build")
@@ -45,8 +46,8 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits():
 
 
 def test_runner_packs_on_cpu_unless_disabled():
-    assert ModelRunner(tiny_llama(), 2, 64, cpu_linear="off").packed_linears > 0
-    off = ModelRunner(tiny_llama(), 2, 64, pack_linear=False)
+    assert build_runner(tiny_llama(), 2, 64, cpu_linear="off").packed_linears > 0
+    off = build_runner(tiny_llama(), 2, 64, packed_linear=False)
     assert off.packed_linears == 0 and off.panel_linears == 0
     assert any(type(m) is nn.Linear for m in off.model.modules())
 

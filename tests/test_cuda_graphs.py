@@ -15,14 +15,14 @@ import torch
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import SamplingParams
 from pipeline.engine.backends.cuda.graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.model.runner import build_runner
 
 VOCAB = 512
 
 
 def runners(num_slots: int, max_len: int):
     model = tiny_llama()
-    make = lambda mode: ModelRunner(copy.deepcopy(model), num_slots, max_len, pack_linear=False,
+    make = lambda mode: build_runner(copy.deepcopy(model), num_slots, max_len, packed_linear=False,
                                     cpu_attention="off", cuda_graphs=mode)
     return make("off"), make(UNCAPTURED)
 
@@ -39,7 +39,7 @@ def test_policy_and_store():
     assert graphs.graphs is not None and graphs.graphs.capture is None
     assert graphs.cache.num_slots == 4 and graphs.cache.max_len == 100 + MAX_Q - 1   # spare slot, pad room
     # where our CPU kernels take every forward there is nothing for a graph to replay
-    assert ModelRunner(tiny_llama(), 2, 64, cuda_graphs=UNCAPTURED).graphs is None
+    assert build_runner(tiny_llama(), 2, 64, cuda_graphs=UNCAPTURED).graphs is None
 
 
 def test_buckets():

@@ -24,7 +24,7 @@ from test_pipeline import _check_exactly_once, _shards
 from test_s3 import moto_endpoint, s3  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.slow
-VERDICT_S = 120          # a fault must end in a verdict this fast (the issue: "well under 2 minutes")
+VERDICT_S = 120          # a fault must end in a verdict this fast: well under 2 minutes
 
 
 class Job:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from pipeline.engine.backends import flex as flex_mod
 from pipeline.engine.backends.flex import BLOCK, block_tables, capacity, prefer_flex, slot_flex_attention
-from pipeline.engine.model.runner import ModelRunner, flex_policy
+from pipeline.engine.model.plan import flex_policy
+from pipeline.engine.model.runner import build_runner
 
 
 def dense_allowed(slot_start, slot_new, max_q, cap):
@@ -91,7 +92,7 @@ def test_compile_modes(monkeypatch):
 def test_runner_logits_equal_eager(compile):
     """The same forwards through both kernels (auto picks flex for the mixed step only): same logits."""
     model = tiny_llama()
-    runners = {mode: ModelRunner(copy.deepcopy(model), 4, 600, pack_linear=False, compile=mode, cpu_attention="off")
+    runners = {mode: build_runner(copy.deepcopy(model), 4, 600, packed_linear=False, compile=mode, cpu_attention="off")
                for mode in ("off", compile)}
     gen = torch.Generator().manual_seed(3)
     history = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (520, 30, 40, 35)]

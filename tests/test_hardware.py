@@ -3,7 +3,8 @@ this machine, the config default, and the resolved dtype reaching the loaded eng
 import pytest
 import torch
 
-from pipeline.job.config import EngineSection, ModelsConfig
+from pipeline.engine import DraftingConfig, EngineConfig
+from pipeline.job.config import ModelsConfig
 from pipeline.loading.hardware import DtypeChoice, cpu_flags, proc_cpuinfo_flags, resolve_dtype
 from pipeline.report.summary import model_lines
 
@@ -74,8 +75,8 @@ def test_auto_is_the_config_default():
 
 def test_build_engine_loads_in_the_resolved_dtype(tiny_model_dir):
     from pipeline.job.runtime import build_engine
-    loaded = build_engine(ModelsConfig(target=str(tiny_model_dir), drafter="ngram"),
-                          EngineSection(max_num_seqs=2, max_model_len=64))
+    loaded = build_engine(ModelsConfig(target=str(tiny_model_dir)), DraftingConfig(method="ngram"),
+                          EngineConfig(max_num_seqs=2, max_model_len=64))
     assert loaded.dtype == resolve_dtype("auto", "cpu")
     assert loaded.engine.target.dtype == getattr(torch, loaded.dtype.dtype)
 
@@ -95,11 +96,11 @@ def test_draft_dtype_defaults_to_auto_and_hashes_only_when_it_matters():
     assert ModelsConfig().draft_dtype == "auto"
     with pytest.raises(ConfigError, match=r"models\.draft_dtype.*'fp8'"):
         ModelsConfig(draft_dtype="fp8")
-    draft = ["models.drafter=draft", "models.draft=x"]
+    draft = ["drafting.method=draft", "models.draft=x"]
     same = load_config("configs/demo.yaml", [*draft, "models.draft_dtype=same"])
     auto = load_config("configs/demo.yaml", draft)
     bf16 = load_config("configs/demo.yaml", [*draft, "models.draft_dtype=bfloat16"])
-    assert "draft_dtype" not in hashed_tree(same)["models"]           # runs from before the key resume with it
+    assert "draft_dtype" not in hashed_tree(same)["models"]           # the target's dtype, hashed already
     assert hashed_tree(auto)["models"]["draft_dtype"] == "auto"
     assert hashed_tree(bf16)["models"]["draft_dtype"] == "bfloat16"     # other proposals: another run
     assert len({config_hash(same), config_hash(auto), config_hash(bf16)}) == 3
@@ -122,10 +123,11 @@ def test_a_bf16_draft_beside_an_fp32_target_keeps_greedy_output(tiny_model_dir):
     from conftest import run_requests
     from pipeline.engine import SamplingParams
     from pipeline.job.runtime import build_engine
-    section = EngineSection(max_num_seqs=3, max_model_len=96)
-    spec = build_engine(ModelsConfig(target=str(tiny_model_dir), draft=str(tiny_model_dir), drafter="draft",
-                                     dtype="float32", draft_dtype="bfloat16"), section)
-    plain = build_engine(ModelsConfig(target=str(tiny_model_dir), drafter="none", dtype="float32"), section)
+    section = EngineConfig(max_num_seqs=3, max_model_len=96)
+    spec = build_engine(ModelsConfig(target=str(tiny_model_dir), draft=str(tiny_model_dir),
+                                     dtype="float32", draft_dtype="bfloat16"), DraftingConfig(method="draft"), section)
+    plain = build_engine(ModelsConfig(target=str(tiny_model_dir), dtype="float32"), DraftingConfig(method="none"),
+                         section)
     assert spec.dtype == DtypeChoice("float32", "configured")
     assert spec.draft_dtype == DtypeChoice("bfloat16", "configured")
     assert spec.engine.target.dtype == torch.float32

@@ -40,7 +40,7 @@ import yaml
 
 from pipeline.errors import ConfigError
 from pipeline.job.config import load_config
-from pipeline.loading.models import SHIPPED_MODELS
+from pipeline.loading.files import SHIPPED_MODELS
 from pipeline.synthetic.schedule import parse_cron, parse_slot, zone
 from pipeline.synthetic.job import load_synthetic_config, resolve_slot
 from pipeline_util import manifest, prompt_rows, read_run, write_parquet
@@ -748,7 +748,7 @@ def test_dockerfile_builds_from_this_repo_with_setup_sh():
 def test_dockerignore_keeps_code_and_drops_environments():
     patterns = _dockerignore_patterns()
     for excluded in (".venv/bin/python", ".git/HEAD", ".git", "out/demo/_SUCCESS", "bench/.venv-vllm/bin/x",
-                     "bench/out/r.json", "pipeline/__pycache__/config.cpython-311.pyc", "specpipe.egg-info/PKG-INFO",
+                     "bench/out/r.json", "pipeline/job/__pycache__/config.cpython-311.pyc", "specpipe.egg-info/PKG-INFO",
                      "configs/auth_token", "deep/dir/.env", "key.pem"):
         assert _ignored(excluded, patterns), excluded
     # What setup.sh (pip install -e .) and the job need, walked from the real tree.
@@ -759,7 +759,7 @@ def test_dockerignore_keeps_code_and_drops_environments():
         dirs[:] = [d for d in dirs if not _ignored(rel(d), patterns)]
         context.update(rel(f) for f in files if not _ignored(rel(f), patterns))
     needed = {"pyproject.toml", "README.md", "scripts/setup.sh", "jobs/generate.py", "pipeline/__init__.py",
-              "pipeline/config.py", "configs/demo.yaml"}
+              "pipeline/job/config.py", "configs/demo.yaml"}
     needed |= {p.relative_to(REPO).as_posix() for p in (REPO / "data" / "demo").iterdir()}
     assert needed <= context, needed - context
     assert not any(p.startswith((".venv/", ".git/", "out/")) for p in context)

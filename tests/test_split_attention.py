@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_llama
 from pipeline.engine.kv.layout import make_layout
-from pipeline.engine.model.runner import ModelRunner
+from pipeline.engine.model.runner import build_runner
 
 
 def test_layout_splits_only_when_few_rows_have_more_than_one_token():
@@ -30,7 +30,7 @@ def test_layout_splits_only_when_few_rows_have_more_than_one_token():
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3, 4, 5, 6], [6, 2, 0, 5, 1, 4, 3]])
 def test_split_step_logits_equal_each_row_alone(slots):
     model = tiny_llama()
-    together, alone = (ModelRunner(copy.deepcopy(model), 8, 256, pack_linear=False, compile="off", cpu_attention="off")
+    together, alone = (build_runner(copy.deepcopy(model), 8, 256, packed_linear=False, compile="off", cpu_attention="off")
                        for _ in range(2))
     gen = torch.Generator().manual_seed(5)
     history = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (40, 90, 25, 60, 33, 70, 50)]

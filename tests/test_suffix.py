@@ -318,14 +318,14 @@ def test_greedy_identity_with_templated_prompts(target_model, draft_model, kind,
 
 # ---- config -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, key", [
-    ("models.suffix.max_depth=1", "models.suffix.max_depth"),
-    ("models.suffix.min_match=16", "models.suffix.min_match"),
-    ("models.suffix.min_prob=1.5", "models.suffix.min_prob"),
-    ("models.suffix.max_spec_factor=0", "models.suffix.max_spec_factor"),
-    ("models.suffix.max_cached_tokens=-1", "models.suffix.max_cached_tokens"),
-    ("models.suffix.depth=8", "models.suffix.depth"),
-    ("models.suffix.sample_method=top", "models.suffix.sample_method"),
-    ("models.hybrid_proposer=draft", "models.hybrid_proposer"),
+    ("drafting.suffix.max_depth=1", "drafting.suffix.max_depth"),
+    ("drafting.suffix.min_match=16", "drafting.suffix.min_match"),
+    ("drafting.suffix.min_prob=1.5", "drafting.suffix.min_prob"),
+    ("drafting.suffix.max_spec_factor=0", "drafting.suffix.max_spec_factor"),
+    ("drafting.suffix.max_cached_tokens=-1", "drafting.suffix.max_cached_tokens"),
+    ("drafting.suffix.depth=8", "drafting.suffix.depth"),
+    ("drafting.suffix.sample_method=top", "drafting.suffix.sample_method"),
+    ("drafting.hybrid_proposer=draft", "drafting.hybrid_proposer"),
 ])
 def test_bad_suffix_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -334,20 +334,20 @@ def test_bad_suffix_config_names_the_key(override, key):
 
 def test_suffix_config_loads_and_hashes():
     plain = load_config("configs/demo.yaml")
-    assert "suffix" not in hashed_tree(plain)["models"] and "hybrid_proposer" not in hashed_tree(plain)["models"]
-    cfg = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.2"])
-    assert cfg.models.suffix.to_params() == SuffixParams(min_prob=0.2)
-    assert hashed_tree(cfg)["models"]["suffix"]["min_prob"] == 0.2
-    other = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.3"])
+    assert "suffix" not in hashed_tree(plain)["drafting"] and "hybrid_proposer" not in hashed_tree(plain)["drafting"]
+    cfg = load_config("configs/demo.yaml", ["drafting.method=suffix", "drafting.suffix.min_prob=0.2"])
+    assert cfg.drafting.suffix == SuffixParams(min_prob=0.2)
+    assert hashed_tree(cfg)["drafting"]["suffix"]["min_prob"] == 0.2
+    other = load_config("configs/demo.yaml", ["drafting.method=suffix", "drafting.suffix.min_prob=0.3"])
     assert len({config_hash(plain), config_hash(cfg), config_hash(other)}) == 3
-    hybrid = load_config("configs/demo.yaml", ["models.drafter=hybrid", "models.draft=x",
-                                               "models.hybrid_proposer=suffix"])
-    assert hashed_tree(hybrid)["models"]["hybrid_proposer"] == "suffix" and "suffix" in hashed_tree(hybrid)["models"]
-    # the most-frequent rule hashes as before the key existed (its runs resume); sampling is another run
-    greedy = load_config("configs/demo.yaml", ["models.drafter=suffix", "models.suffix.min_prob=0.2",
-                                               "models.suffix.sample_method=greedy"])
-    assert "sample_method" not in hashed_tree(greedy)["models"]["suffix"]
-    assert hashed_tree(cfg)["models"]["suffix"]["sample_method"] == "probabilistic"
+    hybrid = load_config("configs/demo.yaml", ["drafting.method=hybrid", "models.draft=x",
+                                               "drafting.hybrid_proposer=suffix"])
+    assert hashed_tree(hybrid)["drafting"]["hybrid_proposer"] == "suffix" and "suffix" in hashed_tree(hybrid)["drafting"]
+    # the draft rule changes which tokens are proposed: another run
+    greedy = load_config("configs/demo.yaml", ["drafting.method=suffix", "drafting.suffix.min_prob=0.2",
+                                               "drafting.suffix.sample_method=greedy"])
+    assert hashed_tree(greedy)["drafting"]["suffix"]["sample_method"] == "greedy"
+    assert hashed_tree(cfg)["drafting"]["suffix"]["sample_method"] == "probabilistic"
     assert config_hash(greedy) != config_hash(cfg)
 
 
@@ -363,7 +363,7 @@ def test_worker_killed_mid_unit_with_suffix_drafter_completes_exactly_once(tiny_
     rows += [dict(r, id=r["id"] + "-again") for r in rows]          # repeats: drafted from the index
     write_parquet(tmp_path / "in" / "a.parquet", rows)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
-                     f"cluster.address={ray_head.address}", "models.drafter=suffix", "models.suffix.min_match=1",
+                     f"cluster.address={ray_head.address}", "drafting.method=suffix", "drafting.suffix.min_match=1",
                      "debug.crash_worker_after_steps=3", "sampling.max_tokens=12", "cluster.num_workers=1")
     summary = run_job(cfg)
     assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1

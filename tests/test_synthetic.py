@@ -180,8 +180,9 @@ def write_config(tmp_path: Path, model_dir, ray_head, output: str, *storage: str
              {"seed_id": "s3", "kind": "q", "text": "Describe a river in autumn."},
              {"seed_id": "long", "kind": "long", "text": "word " * 400}]
     pq.write_table(pa.Table.from_pylist(seeds), tmp_path / "seeds.parquet")
-    cfg = {"models": {"target": str(model_dir), "drafter": "ngram", "dtype": "float32"},
-           "engine": {"max_num_seqs": 8, "max_model_len": 256, "num_speculative_tokens": 3},
+    cfg = {"models": {"target": str(model_dir), "dtype": "float32"},
+           "drafting": {"method": "ngram", "num_speculative_tokens": 3},
+           "engine": {"max_num_seqs": 8, "max_model_len": 256},
            "sampling": {"max_tokens": 6, "temperature": 0.9},
            "input": {"rows_per_unit": 4}, "output": {"path": output},
            "cluster": {"address": ray_head.address, "num_workers": 1, "num_cpus_per_worker": 1},

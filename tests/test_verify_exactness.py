@@ -149,7 +149,7 @@ def test_sparse_q_verifies_exactly_as_the_same_q_dense():
 def test_processed_probs_matches_reference():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50, generator=gen) * 2
-    params = [SamplingParams(temperature=0.5, top_k=10), SamplingParams(top_p=0.7),
+    params = [SamplingParams(temperature=0.5, top_k=10), SamplingParams(temperature=1.0, top_p=0.7),
               SamplingParams(temperature=2.0, min_p=0.1), SamplingParams(temperature=0.9, top_k=20, top_p=0.5)]
     got = processed_probs(logits, RowParams.from_params(params, "cpu")).double().numpy()
     for r, p in enumerate(params):

@@ -33,7 +33,6 @@ from ..job.config import (
     config_hash,
     hashed_tree,
     redacted,
-    uses_draft_model,
 )
 from .pool import LoadFailed, WorkerPool
 
@@ -163,9 +162,9 @@ def _run_leased(cfg, out: RunOutput, units: list[Unit], lease, stop: StopRequest
 
 def check_models(cfg: JobConfig) -> None:
     """The target (and draft) exist and hold safetensors/GGUF weights, before any actor starts."""
-    from ..loading.models import check_source
+    from ..loading.files import check_source
     sources = [("models.target", cfg.models.target)]
-    if uses_draft_model(cfg.models):
+    if cfg.drafting.uses_draft_model:
         sources.append(("models.draft", cfg.models.draft))
     for key, source in sources:
         try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
 from ..job.config import JobConfig
 from .worker import GenerationWorker, WorkerBroken
@@ -73,7 +74,7 @@ class WorkerPool:
         # units queued per actor: at least units_in_flight, and enough rows that the engine has a
         # full batch running plus a full batch waiting (else slots idle while a unit's last rows
         # finish and its successor travels from the driver)
-        rows_wanted = 2 * cfg.engine.max_num_seqs + cfg.input.rows_per_unit
+        rows_wanted = 2 * most_max_num_seqs(cfg.engine.max_num_seqs, cfg.models.device) + cfg.input.rows_per_unit
         self.max_units = min(MAX_UNITS_PER_WORKER, max(cfg.cluster.units_in_flight,
                                                        -(-rows_wanted // cfg.input.rows_per_unit)))
         self.workers: list[Worker] = []

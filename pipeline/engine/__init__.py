@@ -1,14 +1,15 @@
 """The speculative decoding engine. See engine.py for the round and the glossary."""
-from .config import EngineConfig
+from .config import DraftingConfig, EngineConfig, SuffixParams
 from .core.request import RequestError, SamplingParams
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.draft_model import DraftModelDrafter
 from .drafting.hybrid import HybridDrafter
 from .drafting.ngram import NgramDrafter
-from .drafting.suffix import SuffixDrafter, SuffixParams
+from .drafting.suffix import SuffixDrafter
 from .engine import Completion, RoundRecord, SpecEngine, StepOutput
+from .model.plan import Kernels
 from .model.runner import ModelRunner
 
-__all__ = ["Completion", "DraftBatch", "Drafter", "DraftModelDrafter", "EngineConfig", "HybridDrafter",
-           "ModelRunner", "NgramDrafter", "NoDrafter", "RequestError", "RoundRecord", "SamplingParams", "SpecEngine",
-           "StepOutput", "SuffixDrafter", "SuffixParams"]
+__all__ = ["Completion", "DraftBatch", "Drafter", "DraftingConfig", "DraftModelDrafter", "EngineConfig",
+           "HybridDrafter", "Kernels", "ModelRunner", "NgramDrafter", "NoDrafter", "RequestError", "RoundRecord",
+           "SamplingParams", "SpecEngine", "StepOutput", "SuffixDrafter", "SuffixParams"]

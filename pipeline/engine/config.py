@@ -1,60 +1,124 @@
-"""The engine's configuration: one dataclass per concept, validated once, with the one set of
-backend modes. The job's YAML sections are these classes.
+"""The engine's configuration: one dataclass per concept, validated once. The job's YAML sections
+`engine:` and `drafting:` are these classes (`sampling:` is core/request.py's SamplingParams).
 
 It knows nothing about files, models or Ray.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, one_of
 
 MODES = ("auto", "on", "off")   # a backend switch: auto (where it can run) | on (raise where not) | off
+KERNELS = ("auto", "torch")     # auto: our kernels where they build and apply | torch: torch's own only
+AUTO = "auto"
+DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
+DRAFT_MODEL_KINDS = ("draft", "hybrid")     # the drafters that run a draft model
+HYBRID_PROPOSERS = ("ngram", "suffix")
+SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+def _int_at_least(key: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{key}: expected an integer >= {low}, got {value!r}")
+
+
+def _switch(value):
+    """YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"."""
+    return {"True": "on", "False": "off", True: "on", False: "off"}.get(value, value)
 
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 16           # running sequences at most (= KV slots per model)
+    max_num_seqs: Any = AUTO         # running sequences at most (= KV slots per model): an integer >= 1, or
+                                     # auto (from the KV memory a slot needs and what the device runs best;
+                                     # model/slots.py, printed when chosen)
     max_model_len: int = 2048        # prompt + output tokens per sequence (KV positions per slot)
-    num_speculative_tokens: int = 4  # draft length g (the maximum, when adaptive)
-    adaptive: bool = False           # per-sequence g from its acceptance and measured costs; may be 0
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
-    packed_linear: bool = True       # CPU: regroup linear weights once for a faster kernel (cpu_linear's, else
-                                     # oneDNN's); false: torch's F.linear (ignored elsewhere)
-    compile: str = "auto"            # compiled FlexAttention over the slot store (flex.py): auto (where
-                                     # inductor can compile, on steps where it is the cheaper kernel) |
-                                     # on (every step) | off (eager padded SDPA)
-    cpu_attention: str = "auto"      # attention on CPU by our C kernel (cpu_attention.py), each row its own keys:
-                                     # auto (where it builds, fp32/bf16) | on (raise where not) | off (torch)
-    cpu_linear: str = "auto"         # with packed_linear, on CPU: our C panel kernel (cpu_linear.py), fp32/bf16:
-                                     # auto (where it builds) | on (raise where not) | off (oneDNN's)
-    cpu_fused: str = "auto"          # on CPU: RMSNorm and silu(gate) * up as one pass each (cpu_fused.py):
-                                     # auto (where it builds) | on (raise where not) | off (the model's modules)
-    cpu_decoder: str = "auto"        # on CPU: the forward as one loop over the kernels above (cpu_decoder.py):
-                                     # auto (where they are all in use) | on (raise where not) | off
     prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds
                                      # (a running or just-finished sequence's prompt) instead of computing it
-    cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs (cuda_graphs.py): auto (on CUDA) |
-                                     # on (raise elsewhere) | off (every step launched from Python)
+    kernels: str = "auto"            # auto: our CPU kernels where they build (attention, linears, fused
+                                     # norm/MLP, the decoder loop) | torch: torch's own kernels only
+    compile: str = "auto"            # compiled FlexAttention over the slot store: auto (where inductor can
+                                     # compile, on steps where it is the cheaper kernel) | on | off
+    cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs: auto (on CUDA) | on | off
 
     def __post_init__(self):
-        for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("num_speculative_tokens", 0),
-                          ("max_prefill_tokens", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"engine.{name}: expected an integer >= {low}, got {value!r}")
-        if self.compile not in MODES:
-            raise ValueError(f"engine.compile: expected one of {MODES}, got {self.compile!r}")
-        if self.cpu_attention not in MODES:
-            raise ValueError(f"engine.cpu_attention: expected one of {MODES}, "
-                             f"got {self.cpu_attention!r}")
-        if self.cpu_linear not in MODES:
-            raise ValueError(f"engine.cpu_linear: expected one of {MODES}, got {self.cpu_linear!r}")
-        if self.cpu_fused not in MODES:
-            raise ValueError(f"engine.cpu_fused: expected one of {MODES}, got {self.cpu_fused!r}")
-        if self.cpu_decoder not in MODES:
-            raise ValueError(f"engine.cpu_decoder: expected one of {MODES}, got {self.cpu_decoder!r}")
-        if self.cuda_graphs not in MODES:
-            raise ValueError(f"engine.cuda_graphs: expected one of {MODES}, got {self.cuda_graphs!r}")
+        self.compile, self.cuda_graphs = _switch(self.compile), _switch(self.cuda_graphs)
+        if self.max_num_seqs != AUTO:
+            _int_at_least("engine.max_num_seqs", self.max_num_seqs, 1)
+        _int_at_least("engine.max_model_len", self.max_model_len, 2)
+        _int_at_least("engine.max_prefill_tokens", self.max_prefill_tokens, 1)
         if not isinstance(self.prefix_reuse, bool):
-            raise ValueError(f"engine.prefix_reuse: expected true or false, got {self.prefix_reuse!r}")
-        if self.cpu_linear == "on" and not self.packed_linear:
-            raise ValueError("engine.cpu_linear=on needs engine.packed_linear=true (false keeps torch's linears)")
+            raise ConfigError(f"engine.prefix_reuse: expected true or false, got {self.prefix_reuse!r}")
+        one_of("engine.kernels", self.kernels, KERNELS)
+        one_of("engine.compile", self.compile, MODES)
+        one_of("engine.cuda_graphs", self.cuda_graphs, MODES)
+
+
+@dataclass(frozen=True)
+class SuffixParams:
+    """The suffix drafter (drafting/suffix.py states the draft rule)."""
+    max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
+    min_match: int = 2                # shortest matched suffix that may draft
+    min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
+    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
+    max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
+    index_running: bool = True        # the worker-wide index also holds running sequences' text, as committed
+    sample_method: str = "probabilistic"   # sampled sequences: draft by sampling the counts (keeps q) | greedy
+
+    def __post_init__(self):
+        key = "drafting.suffix."
+        if not (isinstance(self.max_depth, int) and 2 <= self.max_depth <= 256):
+            raise ConfigError(f"{key}max_depth: expected an integer in [2, 256], got {self.max_depth!r}")
+        if not (isinstance(self.min_match, int) and 1 <= self.min_match < self.max_depth):
+            raise ConfigError(f"{key}min_match: expected an integer in [1, max_depth), got {self.min_match!r}")
+        if not 0 <= self.min_prob <= 1:
+            raise ConfigError(f"{key}min_prob: expected a number in [0, 1], got {self.min_prob!r}")
+        if not self.max_spec_factor > 0:
+            raise ConfigError(f"{key}max_spec_factor: expected a number > 0, got {self.max_spec_factor!r}")
+        _int_at_least(f"{key}max_cached_tokens", self.max_cached_tokens, 0)
+        if not isinstance(self.index_running, bool):
+            raise ConfigError(f"{key}index_running: expected true or false, got {self.index_running!r}")
+        one_of(f"{key}sample_method", self.sample_method, SAMPLE_METHODS)
+
+
+@dataclass
+class DraftingConfig:
+    """What proposes draft tokens and how many."""
+    method: str = "ngram"                    # none | ngram | suffix | draft | hybrid
+    num_speculative_tokens: int = 4          # draft length g (the maximum, when adaptive)
+    adaptive: bool = False                   # per-sequence g from its acceptance and measured costs; may be 0
+    hybrid_proposer: str = "ngram"           # hybrid's free first part: ngram | suffix
+    draft_sample_method: str = "greedy"      # draft model: greedy (token only, one-hot q) | probabilistic (keeps q)
+    ngram_min: int = 2                       # shortest suffix n-gram looked up
+    ngram_max: int = 4                       # longest suffix n-gram looked up
+    suffix: SuffixParams = field(default_factory=SuffixParams)   # method suffix (or hybrid's first part)
+
+    def __post_init__(self):
+        one_of("drafting.method", self.method, DRAFTER_KINDS)
+        one_of("drafting.hybrid_proposer", self.hybrid_proposer, HYBRID_PROPOSERS)
+        one_of("drafting.draft_sample_method", self.draft_sample_method, SAMPLE_METHODS)
+        _int_at_least("drafting.num_speculative_tokens", self.num_speculative_tokens, 0)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"drafting.adaptive: expected true or false, got {self.adaptive!r}")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
+            raise ConfigError(f"drafting.ngram_min/ngram_max: expected 1 <= min <= max, "
+                              f"got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method in DRAFT_MODEL_KINDS
+
+    @property
+    def uses_suffix(self) -> bool:
+        return self.method == "suffix" or (self.method == "hybrid" and self.hybrid_proposer == "suffix")
+
+    @property
+    def free_method(self) -> str | None:
+        """The model-free drafter in use (ngram | suffix; alone or as hybrid's first part), or None."""
+        if self.method == "hybrid":
+            return self.hybrid_proposer
+        return self.method if self.method in HYBRID_PROPOSERS else None

@@ -20,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from .config import EngineConfig
+from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
 from .core.sampling import row_probs
@@ -87,12 +87,27 @@ def seq_generators(seed: int, request_id: str) -> _SeqRng:
 
 
 class SpecEngine:
+    """`config` sizes the engine (max_num_seqs auto: the target runner's slots); `drafting` says how
+    many tokens to draft (drafting.num_speculative_tokens, drafting.adaptive); `drafter` proposes them."""
+
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, config: EngineConfig | None = None,
-                 eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None):
-        self.config = config or EngineConfig()
+                 eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None,
+                 drafting: DraftingConfig | None = None):
+        config = config or EngineConfig()
+        if config.max_num_seqs == AUTO:
+            config = replace(config, max_num_seqs=target.num_slots)
+        self.config = config
+        self.drafting = drafting or DraftingConfig()
         self.target = target
         self.drafter: Drafter = drafter or NoDrafter(target.device)
         draft_runner = self.drafter.draft_runner
+        for name, runner in (("target", target), ("draft", draft_runner)):
+            if runner is not None and runner.num_slots < config.max_num_seqs:
+                raise ValueError(f"the {name} runner has {runner.num_slots} slots, fewer than "
+                                 f"engine.max_num_seqs={config.max_num_seqs}")
+            if runner is not None and runner.max_model_len < config.max_model_len:
+                raise ValueError(f"the {name} runner holds {runner.max_model_len} positions per slot, fewer "
+                                 f"than engine.max_model_len={config.max_model_len}")
         if draft_runner is not None and draft_runner.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocabulary ({draft_runner.vocab_size}) does not match the "
                              f"target's ({target.vocab_size}): drafts must share the target's tokenizer")
@@ -100,7 +115,7 @@ class SpecEngine:
         self.decode = decode
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.costs = CostModel()
-        self.policy = AdaptiveDraftLength(self.config.num_speculative_tokens, self.costs,
+        self.policy = AdaptiveDraftLength(self.drafting.num_speculative_tokens, self.costs,
                                           draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
@@ -157,7 +172,7 @@ class SpecEngine:
     # ---- the round ------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         """One round for every running sequence: admit -> draft -> verify -> commit -> emit."""
-        if self.config.adaptive and not self.costs.is_calibrated:
+        if self.drafting.adaptive and not self.costs.is_calibrated:
             self.calibrate()
         self._admit()
         batch = list(self.scheduler.running)
@@ -179,14 +194,14 @@ class SpecEngine:
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
         cfg = self.config
-        self.costs.calibrate(self.target, self.drafter.draft_runner, cfg.max_num_seqs, cfg.num_speculative_tokens,
-                             cfg.max_model_len, repeats)
+        self.costs.calibrate(self.target, self.drafter.draft_runner, cfg.max_num_seqs,
+                             self.drafting.num_speculative_tokens, cfg.max_model_len, repeats)
 
     @property
     def _lazy_draft(self) -> bool:
         """Adaptive mode prefills the draft model only for sequences about to draft (Drafter.catch_up):
         where the policy says g = 0 the draft model costs nothing, not even the prompt's KV."""
-        return self.config.adaptive and not self.drafter.is_free
+        return self.drafting.adaptive and not self.drafter.is_free
 
     def _admit(self) -> None:
         """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
@@ -237,9 +252,9 @@ class SpecEngine:
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
-        cfg = self.config
-        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch]) if cfg.adaptive
-                  else [cfg.num_speculative_tokens] * len(batch))
+        cfg, drafting = self.config, self.drafting
+        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch]) if drafting.adaptive
+                  else [drafting.num_speculative_tokens] * len(batch))
         return [max(0, min(g, s.params.max_tokens - len(s.output_ids) - 1,
                            cfg.max_model_len - s.num_tokens - 1)) for g, s in zip(wanted, batch)]
 

@@ -105,7 +105,7 @@ class RunOutput:
         return self._read_json("_plan.json")
 
     def _config_diff(self, old_plan: dict, new_tree: dict) -> str:
-        if "config" not in old_plan:           # runs recorded before plans kept their config
+        if "config" not in old_plan:           # a plan that holds only the hash
             return f"recorded hash {old_plan['config_hash']}"
         diffs = _diff(old_plan["config"], new_tree)
         shown = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:8])

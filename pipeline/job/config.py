@@ -18,54 +18,23 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..engine.core.request import SamplingParams
-from ..engine.drafting.suffix import SuffixParams
-from ..engine.engine import EngineConfig
+from ..engine.config import DraftingConfig, EngineConfig
+from ..engine.core.request import RequestError, SamplingParams
 from ..errors import ConfigError, one_of
 from ..io.reader import InputConfig
 from ..io.storage import StorageConfig
 from ..loading.hardware import AUTO, EXPLICIT_DTYPES
 
-DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
-DRAFT_MODEL_KINDS = ("draft", "hybrid")     # the drafters that load models.draft
-HYBRID_PROPOSERS = ("ngram", "suffix")
 DTYPES = (AUTO, *EXPLICIT_DTYPES)
 SAME = "same"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
-class SuffixSection:
-    """The suffix drafter (engine/suffix.py states the draft rule)."""
-    max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
-    min_match: int = 2                # shortest matched suffix that may draft
-    min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
-    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
-    max_cached_tokens: int = 32768    # worker-wide index over finished sequences, oldest evicted (0: off)
-    index_running: bool = True        # the worker-wide index also holds running sequences' text as committed
-    sample_method: str = "probabilistic"   # sampled sequences draft by sampling the counts (q kept) | greedy
-
-    def __post_init__(self):
-        try:
-            self.to_params()
-        except ValueError as e:
-            raise ConfigError(f"models.suffix.{e}") from None
-
-    def to_params(self) -> SuffixParams:
-        return SuffixParams(**asdict(self))
-
-
-@dataclass
 class ModelsConfig:
     target: str = "smollm2-135m-instruct"   # shipped model name, .gguf file, or HF directory (safetensors)
-    draft: Optional[str] = None              # draft model (same tokenizer) for drafter draft/hybrid
-    drafter: str = "ngram"                   # none | ngram | suffix | draft | hybrid
-    hybrid_proposer: str = "ngram"           # hybrid's free first part: ngram | suffix
-    draft_sample_method: str = "greedy"      # greedy (token only, one-hot q) | probabilistic (keeps q)
-    ngram_min: int = 2                       # shortest suffix n-gram looked up
-    ngram_max: int = 4                       # longest suffix n-gram looked up
-    suffix: SuffixSection = field(default_factory=SuffixSection)   # drafter suffix (or hybrid's first part)
-    dtype: str = AUTO                        # auto (each worker picks for its hardware: pipeline/hardware.py)
+    draft: Optional[str] = None              # draft model (same tokenizer) for drafting.method draft/hybrid
+    dtype: str = AUTO                        # auto (each worker picks for its hardware: loading/hardware.py)
                                              # | float32 | bfloat16 | float16
     draft_dtype: str = AUTO                  # the draft model's: auto (what this hardware runs fastest, as
                                              # for dtype) | same (the target's) | float32 | bfloat16 | float16.
@@ -76,92 +45,10 @@ class ModelsConfig:
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
 
     def __post_init__(self):
-        one_of("models.drafter", self.drafter, DRAFTER_KINDS)
-        one_of("models.hybrid_proposer", self.hybrid_proposer, HYBRID_PROPOSERS)
-        one_of("models.draft_sample_method", self.draft_sample_method, ("greedy", "probabilistic"))
         one_of("models.dtype", self.dtype, DTYPES)
         one_of("models.draft_dtype", self.draft_dtype, (SAME, *DTYPES))
-        if uses_draft_model(self) and not self.draft:
-            raise ConfigError(f"models.draft: required when models.drafter={self.drafter!r}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"models.ngram_min/ngram_max: expected 1 <= min <= max, "
-                              f"got {self.ngram_min}, {self.ngram_max}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"models.device: expected cpu, cuda or cuda:N, got {self.device!r}")
-
-
-@dataclass
-class SamplingConfig:
-    """Defaults for every row; rows may override some of them (see the input contract)."""
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        try:
-            self.to_params()
-        except ValueError as e:
-            raise ConfigError(f"sampling.{e}") from None
-
-    def to_params(self, **overrides) -> SamplingParams:
-        values = {**asdict(self), **overrides}
-        values["stop"] = tuple(values["stop"])
-        return SamplingParams(**values)
-
-
-@dataclass
-class EngineSection:
-    max_num_seqs: int = 16
-    max_model_len: int = 2048
-    num_speculative_tokens: int = 4
-    adaptive: bool = False
-    max_prefill_tokens: int = 512
-    packed_linear: bool = True      # CPU: regroup linear weights once for a faster kernel (cpu_linear's,
-                                    # else oneDNN's); false: torch's F.linear (ignored on CUDA)
-    compile: str = "auto"           # auto | on | off: compiled FlexAttention, each row reading only its
-                                    # own KV blocks (auto: where inductor can compile, on steps where that
-                                    # beats padding every row to the longest; on: every step; off: eager),
-                                    # for the forwards our CPU kernel does not take (cpu_attention below)
-    cpu_attention: str = "auto"     # auto | on | off: attention on CPU by our C kernel, each row its own keys
-                                    # (pipeline/engine/cpu_attention.py; fp32/bf16, built at first use with
-                                    # the system C compiler; auto: where it builds, else torch's kernels)
-    cpu_linear: str = "auto"        # auto | on | off: with packed_linear, linears on CPU by our C panel
-                                    # kernel, fp32/bf16 (pipeline/engine/cpu_linear.py; off, or auto where it
-                                    # cannot build: oneDNN-packed weights)
-    cpu_fused: str = "auto"         # auto | on | off: RMSNorm and the MLP's silu(gate) * up on CPU as one
-                                    # pass each, gate and up as one linear (pipeline/engine/cpu_fused.py;
-                                    # off, or auto where it cannot build: the model's own modules)
-    cpu_decoder: str = "auto"       # auto | on | off: on CPU with the three kernels above in use, the
-                                    # model's forward as one loop over them, RoPE and the KV write in one
-                                    # pass, q/k/v as one linear (pipeline/engine/cpu_decoder.py; Llama,
-                                    # Qwen2/3, Mistral families; off, or auto elsewhere: the model's forward)
-    prefix_reuse: bool = True       # a new prompt copies the target's KV for the longest prefix it shares
-                                    # with a running or just-finished prompt instead of computing it
-                                    # (pipeline/engine/prefix.py): templates, system prompts, repeated samples
-    cuda_graphs: str = "auto"       # auto | on | off: on a GPU, decoding and verify steps replayed as captured
-                                    # CUDA graphs, one per padded shape, captured on first use and checked
-                                    # against an uncaptured run (pipeline/engine/cuda_graphs.py; auto: on
-                                    # CUDA; on: fail elsewhere; off: every kernel launched from Python)
-
-    def __post_init__(self):
-        # YAML 1.1 reads a bare on/off as a boolean, which omegaconf hands over as "True"/"False"
-        for name in ("compile", "cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder", "cuda_graphs"):
-            value = getattr(self, name)
-            setattr(self, name, {"True": "on", "False": "off"}.get(value, value))
-        try:
-            self.to_engine_config()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(**asdict(self))
 
 
 @dataclass
@@ -231,8 +118,9 @@ class RunConfig:
 @dataclass
 class JobConfig:
     models: ModelsConfig = field(default_factory=ModelsConfig)
-    engine: EngineSection = field(default_factory=EngineSection)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
@@ -241,8 +129,32 @@ class JobConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
+        if self.drafting.uses_draft_model and not self.models.draft:
+            raise ConfigError(f"models.draft: required when drafting.method={self.drafting.method!r}")
         if self.models.device.startswith("cuda") and self.cluster.num_gpus_per_worker <= 0:
             raise ConfigError("cluster.num_gpus_per_worker: models.device=cuda needs a GPU per worker (> 0)")
+
+
+MOVED = {   # keys of an older layout: naming one fails before any work, pointing at its place now
+    "models.drafter": "drafting.method",
+    "models.hybrid_proposer": "drafting.hybrid_proposer",
+    "models.draft_sample_method": "drafting.draft_sample_method",
+    "models.ngram_min": "drafting.ngram_min",
+    "models.ngram_max": "drafting.ngram_max",
+    "models.suffix": "drafting.suffix",
+    "engine.num_speculative_tokens": "drafting.num_speculative_tokens",
+    "engine.adaptive": "drafting.adaptive",
+    **{f"engine.{k}": "engine.kernels (auto | torch)"
+       for k in ("packed_linear", "cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder")},
+}
+
+
+def _moved_keys(tree: dict) -> None:
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            verb = "was replaced by" if new.startswith("engine.kernels") else "moved to"
+            raise ConfigError(f"{old} {verb} {new}")
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), schema: type = JobConfig) -> JobConfig:
@@ -250,14 +162,16 @@ def load_config(path: str | None = None, overrides: list[str] = (), schema: type
     more sections). Raises ConfigError naming the key."""
     try:
         merged = OmegaConf.structured(schema)
-        if path:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for given in ([OmegaConf.load(path)] if path else []) + [OmegaConf.from_dotlist(list(overrides))]:
+            _moved_keys(OmegaConf.to_container(given))
+            merged = OmegaConf.merge(merged, given)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         msg = str(e.msg if hasattr(e, "msg") else e).splitlines()[0]
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    except RequestError as e:         # SamplingParams names the field, not its section
+        raise ConfigError(f"sampling.{e}") from None
     except yaml.YAMLError as e:       # override values are YAML: a leading @ or * must be quoted
         bad = next((o for o in overrides if _not_yaml(o)), None)
         where = f"override {bad!r}" if bad else f"config file {path}"
@@ -271,14 +185,6 @@ def _not_yaml(override: str) -> bool:
         return False
     except yaml.YAMLError:
         return True
-
-
-def uses_draft_model(models: ModelsConfig) -> bool:
-    return models.drafter in DRAFT_MODEL_KINDS
-
-
-def uses_suffix(models: ModelsConfig) -> bool:
-    return models.drafter == "suffix" or (models.drafter == "hybrid" and models.hybrid_proposer == "suffix")
 
 
 def redacted(cfg: JobConfig) -> dict:
@@ -298,24 +204,23 @@ def hashed_tree(cfg: JobConfig) -> dict:
         tree.pop(key)
     for key in ("progress", "metrics", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
-    tree["engine"].pop("compile")                     # the attention kernels: same distribution either way
-    tree["engine"].pop("cpu_attention")
-    tree["engine"].pop("cpu_linear")                  # the linear kernel: likewise (rounding-level differences)
-    tree["engine"].pop("cpu_fused")                   # the fused norm / MLP kernels: likewise
-    tree["engine"].pop("cpu_decoder")                 # the kernel loop: the same numbers as the modules
+    for key in ("kernels", "compile", "cuda_graphs"):   # which kernels run: the same distribution
+        tree["engine"].pop(key)                         # (rounding-level differences at most)
     tree["engine"].pop("prefix_reuse")                # copied prompt KV: the same values as computed
-    tree["engine"].pop("cuda_graphs")                 # a replayed step: the same kernels as launched
-    if not tree["input"]["passthrough_columns"]:      # runs recorded before the key existed still resume
+    if not tree["input"]["passthrough_columns"]:
         tree["input"].pop("passthrough_columns")
-    models = tree["models"]                           # likewise for runs without the suffix drafter
-    if models["hybrid_proposer"] == "ngram":
-        models.pop("hybrid_proposer")
-    if models["draft_dtype"] == SAME or not uses_draft_model(cfg.models):
-        models.pop("draft_dtype")                     # `same`: the only behaviour before the key existed
-    if not uses_suffix(cfg.models):
-        models.pop("suffix")
-    elif models["suffix"]["sample_method"] == "greedy":   # the rule before the key existed
-        models["suffix"].pop("sample_method")
+    drafting = tree["drafting"]
+    if not cfg.drafting.uses_suffix:
+        drafting.pop("suffix")
+    if cfg.drafting.method != "hybrid":
+        drafting.pop("hybrid_proposer")
+    if not cfg.drafting.uses_draft_model:
+        drafting.pop("draft_sample_method")
+    if not cfg.drafting.free_method == "ngram":
+        drafting.pop("ngram_min")
+        drafting.pop("ngram_max")
+    if tree["models"]["draft_dtype"] == SAME or not cfg.drafting.uses_draft_model:
+        tree["models"].pop("draft_dtype")             # `same` is the target's dtype, already hashed
     return tree
 
 

@@ -7,11 +7,10 @@ Knows the tokenizer (for the chat template) but not the engine, files or Ray.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine import RequestError, SamplingParams
 from ..io.reader import InputConfig
-from .config import SamplingConfig
 from .runtime import prompt_ids
 
 # per-row overrides of the sampling defaults and the type each must have
@@ -88,7 +87,7 @@ def _overrides(row: dict) -> dict:
     return out
 
 
-def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: SamplingConfig,
+def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: SamplingParams,
                 run_seed: int, tokenizer) -> RowRequest:
     """Validate and tokenize one row. Raises RowError(reason, field, message)."""
     if "__error__" in row:
@@ -105,7 +104,7 @@ def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: Sam
         if prompt is None or not prompt.strip():
             raise RowError("empty_prompt", inp.prompt_column, f"expected a non-empty string, got {prompt!r}")
     try:
-        params = sampling.to_params(**_overrides(row))
+        params = replace(sampling, **_overrides(row))
     except RequestError as e:
         raise RowError(e.code, e.field, str(e).split(": ", 1)[-1]) from None
     seed = row.get("seed", None)

@@ -5,20 +5,16 @@ itself knows nothing about configs, files or tokenisers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..engine import (
-    DraftModelDrafter,
-    HybridDrafter,
-    ModelRunner,
-    NgramDrafter,
-    SpecEngine,
-    SuffixDrafter,
-)
+from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
+                      NgramDrafter, SpecEngine, SuffixDrafter)
+from ..engine.config import AUTO
 from ..engine.model.hf_config import reject_unsupported
+from ..engine.model.slots import choose_max_num_seqs
 from ..loading.hardware import DtypeChoice, resolve_dtype
 from ..loading.models import ModelSpec, check_vocab_compatible, load_model, model_id
-from .config import SAME, EngineSection, ModelsConfig, uses_draft_model
+from .config import SAME, ModelsConfig
 
 
 @dataclass
@@ -29,6 +25,15 @@ class LoadedEngine:
     draft_id: str | None
     dtype: DtypeChoice           # what `models.dtype` resolved to on this machine, and why
     draft_dtype: DtypeChoice | None = None   # likewise `models.draft_dtype`, with a draft model
+    slots_reason: str | None = None          # how `engine.max_num_seqs: auto` was resolved, if it was
+
+    def plan_lines(self) -> list[str]:
+        """Each model's backend plan, for the job summary."""
+        lines = [f"target ({self.dtype.dtype}): {self.engine.target.plan.describe()}"]
+        runner = self.engine.drafter.draft_runner
+        if runner is not None:
+            lines.append(f"draft ({self.draft_dtype.dtype}): {runner.plan.describe()}")
+        return lines
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -47,43 +52,42 @@ def resolve_draft_dtype(models: ModelsConfig, target: DtypeChoice) -> DtypeChoic
     return resolve_dtype(models.draft_dtype, models.device)
 
 
-def build_engine(models: ModelsConfig, engine_cfg: EngineSection) -> LoadedEngine:
+def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: EngineConfig,
+                 kernels: Kernels | None = None) -> LoadedEngine:
     """Load target (+ draft) in the dtypes `models.dtype` / `models.draft_dtype` resolve to on this
-    machine's hardware."""
+    machine's hardware; size the slot stores (engine.max_num_seqs, auto: from both models' KV needs);
+    build the runners on the backend plan and the drafter `drafting.method` names."""
     dtype = resolve_dtype(models.dtype, models.device)
     spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code)
     target, tokenizer = load_model(spec)
     reject_unsupported(target.config, engine_cfg.max_model_len)
-    slots, max_len = engine_cfg.max_num_seqs, engine_cfg.max_model_len
-
-    def runner(model) -> ModelRunner:
-        return ModelRunner(model, slots, max_len, engine_cfg.packed_linear, engine_cfg.compile,
-                           engine_cfg.cpu_attention, engine_cfg.cpu_linear, engine_cfg.cpu_fused,
-                           engine_cfg.cpu_decoder, engine_cfg.cuda_graphs)
-
-    drafter, draft_id, draft_dtype = None, None, None
-    if uses_draft_model(models):
+    draft, draft_id, draft_dtype = None, None, None
+    if drafting.uses_draft_model:
         draft_dtype = resolve_draft_dtype(models, dtype)
         dspec = ModelSpec(models.draft, draft_dtype.dtype, models.device, models.trust_remote_code)
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
-        reject_unsupported(draft.config, max_len)
-        drafter = DraftModelDrafter(runner(draft), models.draft_sample_method)
+        reject_unsupported(draft.config, engine_cfg.max_model_len)
         draft_id = model_id(dspec)
-    if models.drafter in ("ngram", "suffix", "hybrid"):
-        free = free_drafter(models, models.hybrid_proposer if models.drafter == "hybrid" else models.drafter)
+    slots_reason = None
+    if engine_cfg.max_num_seqs == AUTO:
+        n, slots_reason = choose_max_num_seqs([m for m in (target, draft) if m is not None], engine_cfg.max_model_len)
+        engine_cfg = replace(engine_cfg, max_num_seqs=n)
+    drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
+    if drafting.free_method is not None:
+        free = free_drafter(drafting, drafting.free_method, models.device)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    engine = SpecEngine(runner(target), drafter,
-                        engine_cfg.to_engine_config(), eos_token_ids=eos_ids(target, tokenizer),
-                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype)
+    engine = SpecEngine(ModelRunner(target, engine_cfg, kernels), drafter, engine_cfg,
+                        eos_token_ids=eos_ids(target, tokenizer),
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), drafting=drafting)
+    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype, slots_reason)
 
 
-def free_drafter(models: ModelsConfig, kind: str) -> NgramDrafter | SuffixDrafter:
+def free_drafter(drafting: DraftingConfig, kind: str, device: str) -> NgramDrafter | SuffixDrafter:
     """The model-free drafter `kind` (ngram | suffix), alone or as hybrid's first part."""
     if kind == "suffix":
-        return SuffixDrafter(models.suffix.to_params(), device=models.device)
-    return NgramDrafter(models.ngram_min, models.ngram_max, device=models.device)
+        return SuffixDrafter(drafting.suffix, device=device)
+    return NgramDrafter(drafting.ngram_min, drafting.ngram_max, device=device)
 
 
 def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

@@ -66,7 +66,7 @@ def print_summary(summary: dict, show: int = 3, storage: StorageConfig = Storage
     if s.get("prompt_tokens"):
         print(f"prompt tokens {s['prompt_tokens']}, {s['prompt_tokens_reused']} of them copied from a slot "
               f"holding the same prefix ({100 * s['prefix_reuse_rate']:.1f}%, engine.prefix_reuse)")
-    for line in model_lines(s.get("workers", [])):
+    for line in model_lines(s.get("workers", [])) + engine_lines(s.get("workers", [])):
         print(line)
     print(f"output: {run_url} (manifest.json, _SUCCESS)")
 
@@ -84,6 +84,18 @@ def model_lines(workers: list[dict]) -> list[str]:
             for (target, draft, dtype, reason, draft_dtype), names in groups.items()]
 
 
+def engine_lines(workers: list[dict]) -> list[str]:
+    """The running-sequence count and each model's backend plan, once per distinct choice, naming the
+    workers (with `engine.max_num_seqs: auto` each worker chooses for its own memory)."""
+    slots: dict[int, list[dict]] = {}
+    plans: dict[tuple, list[str]] = {}
+    for w in workers:
+        slots.setdefault(w.get("max_num_seqs"), []).append(w)
+        plans.setdefault(tuple(w.get("plan") or ()), []).append(str(w.get("worker")))
+    lines = [f"max_num_seqs {n} on {', '.join(str(w.get('worker')) for w in ws)}"
+             + (f" ({ws[0]['slots_reason']})" if ws[0].get("slots_reason") else "")
+             for n, ws in slots.items() if n is not None]
+    return lines + [f"kernels on {', '.join(names)}: " + "; ".join(plan) for plan, names in plans.items() if plan]
 
 
 # ---- status of runs ---------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ from ..io.storage import (
     retrying,
 )
 from ..io.writer import OutputError, RunOutput
-from ..job.config import JobConfig, RunConfig, SamplingConfig, load_config
+from ..engine.core.request import SamplingParams
+from ..job.config import JobConfig, RunConfig, load_config
 from .schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
 
 TEMPLATE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -131,7 +132,7 @@ class SyntheticSection:
     samples_per_seed: int = 2               # samples of each (seed, template); per-row seeds differ
     templates: list[TemplateConfig] = field(default_factory=list)
 
-    def check(self, sampling: SamplingConfig) -> None:
+    def check(self, sampling: SamplingParams) -> None:
         if not self.templates:
             raise ConfigError("synthetic.templates: at least one template is required")
         if self.samples_per_seed < 1 or (self.seeds_per_slot is not None and self.seeds_per_slot < 1):
@@ -241,7 +242,7 @@ def row_seed(run_seed: int, slot: str, row_id: str) -> int:
     return int(_digest(f"{run_seed}|{slot}|{row_id}")[:16], 16) & ((1 << 63) - 1)
 
 
-def expand(seeds: list[dict], section: SyntheticSection, sampling: SamplingConfig, slot: str,
+def expand(seeds: list[dict], section: SyntheticSection, sampling: SamplingParams, slot: str,
            run_seed: int) -> list[dict]:
     """The slot's input rows (INPUT_SCHEMA), in order seed -> template -> sample."""
     rows = []

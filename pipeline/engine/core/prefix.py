@@ -24,7 +24,7 @@ attention). Elsewhere it can differ at the rounding level, as batching does.
 
 Lookups compare token bytes (C-speed slice comparisons, a binary search per slot), linear in the
 slots: measured 0.13 ms per admission at 32 slots of 300-token prompts, 0.7 ms at 256 slots, 2.9 ms
-at 256 slots of 2,000-token prompts sharing 1,500 (bench/RESULTS.md "Session 8"), against the
+at 256 slots of 2,000-token prompts sharing 1,500 (bench/RESULTS.md, "Prefix reuse"), against the
 milliseconds per token of prefill a reuse saves.
 """
 from __future__ import annotations

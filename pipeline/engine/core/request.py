@@ -33,7 +33,7 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128               # new tokens at most, >= 1
-    temperature: float = 1.0            # 0 = greedy; >= 0
+    temperature: float = 0.0            # 0 = greedy; >= 0
     top_k: int = 0                      # keep the k most likely tokens; 0 = off
     top_p: float = 1.0                  # nucleus mass in (0, 1]
     min_p: float = 0.0                  # drop tokens below min_p * max prob; [0, 1]

@@ -44,36 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import SuffixParams
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
 from .base import DraftBatch, FreeDrafter
-
-
-@dataclass(frozen=True)
-class SuffixParams:
-    max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
-    min_match: int = 2                # shortest matched suffix that may draft
-    min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
-    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
-    max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
-    index_running: bool = True        # the worker-wide index also holds running sequences' text, as committed
-    sample_method: str = "probabilistic"   # sampled sequences: draft by sampling the counts (keeps q) | greedy
-
-    def __post_init__(self):
-        if not (isinstance(self.max_depth, int) and 2 <= self.max_depth <= 256):
-            raise ValueError(f"max_depth: expected an integer in [2, 256], got {self.max_depth!r}")
-        if not (isinstance(self.min_match, int) and 1 <= self.min_match < self.max_depth):
-            raise ValueError(f"min_match: expected an integer in [1, max_depth), got {self.min_match!r}")
-        if not 0 <= self.min_prob <= 1:
-            raise ValueError(f"min_prob: expected a number in [0, 1], got {self.min_prob!r}")
-        if not self.max_spec_factor > 0:
-            raise ValueError(f"max_spec_factor: expected a number > 0, got {self.max_spec_factor!r}")
-        if not (isinstance(self.max_cached_tokens, int) and self.max_cached_tokens >= 0):
-            raise ValueError(f"max_cached_tokens: expected an integer >= 0, got {self.max_cached_tokens!r}")
-        if not isinstance(self.index_running, bool):
-            raise ValueError(f"index_running: expected true or false, got {self.index_running!r}")
-        if self.sample_method not in ("greedy", "probabilistic"):
-            raise ValueError(f"sample_method: expected 'greedy' or 'probabilistic', got {self.sample_method!r}")
 
 
 class SuffixTrie:

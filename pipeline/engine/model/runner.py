@@ -10,39 +10,22 @@ This module knows nothing about requests, drafting or sampling.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 
-from ..backends.cpu.attention import policy as cpu_attention_policy
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse
-from ..backends.cpu.fused import policy as cpu_fused_policy
 from ..backends.cpu.linear import can_pack, pack_linears, panel_linears
-from ..backends.cpu.linear import policy as cpu_linear_policy
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
-from ..backends.cuda.graphs import policy as cuda_graphs_policy
-from ..backends.flex import BLOCK, block_tables, capacity, flex_unavailable, prefer_flex
-from ..config import MODES
+from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
+from ..config import AUTO, EngineConfig
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window
-
-
-def flex_policy(compile_mode: str, device: torch.device) -> str | None:
-    """When a runner takes the compiled FlexAttention path: "always" (engine.compile=on; raises where
-    it cannot compile), "cheaper" (auto: on steps where flex.prefer_flex says so, wherever it can
-    compile), or None (off, or auto where it cannot: the eager padded-SDPA path)."""
-    if compile_mode not in MODES:
-        raise ValueError(f"engine.compile: expected one of {MODES}, got {compile_mode!r}")
-    if compile_mode == "off":
-        return None
-    reason = flex_unavailable(device)
-    if reason is not None and compile_mode == "on":
-        raise RuntimeError(f"engine.compile=on, but FlexAttention cannot be compiled on {device}: {reason}")
-    if reason is not None:
-        return None
-    return "always" if compile_mode == "on" else "cheaper"
+from .plan import BackendPlan, Backends, Kernels, choose_backends
+from .slots import choose_max_num_seqs
 
 
 def cache_kwarg(model) -> str:
@@ -56,9 +39,13 @@ def _text_config(config):
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_model_len: int, pack_linear: bool = True,
-                 compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
-                 cpu_fused: str = "auto", cpu_decoder: str = "auto", cuda_graphs: str = "off"):
+    """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py chooses) of
+    `config.max_model_len` positions; the kernels come from the backend plan (plan.py): `kernels`
+    overrides the per-kernel switches that `config.kernels` implies (tests and benchmarks)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None):
+        config = config or EngineConfig()
+        kernels = kernels or Kernels.of(config.kernels)
         cfg = _text_config(model.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.model = model
@@ -66,51 +53,62 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
         self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        # flex: attention per row over its own key blocks (flex.py), always or on steps where that is
-        # cheaper than padded SDPA (kv_cache.py), which is every other step's kernel
-        self.flex = flex_policy(compile, self.device)
-        # on CPU: our C attention kernel (cpu_attention.py), each row reading its own keys; None where
-        # it is off or cannot be used (then flex or padded SDPA, as above)
-        self.cpu_attention = cpu_attention_policy(cpu_attention, self.device, self.dtype, head_dim)
-        # CUDA graphs (cuda_graphs.py): UNCAPTURED runs their padded forward without capturing, which is
-        # how the tests check it on CPU. The graphs' pad rows and tokens need one spare slot and a few
-        # positions past max_model_len.
-        capture = cuda_graphs != UNCAPTURED and cuda_graphs_policy(cuda_graphs, self.device)
-        graphs = capture or cuda_graphs == UNCAPTURED
-        store_slots = StepGraphs.store_rows(num_slots) if graphs else num_slots
-        store_len = StepGraphs.store_positions(max_model_len) if graphs else max_model_len
+        self.max_model_len = max_model_len = config.max_model_len
+        self.slots_reason = None
+        if config.max_num_seqs == AUTO:
+            config = replace(config, max_num_seqs=choose_max_num_seqs([model], max_model_len)[0])
+        self.num_slots = num_slots = config.max_num_seqs
+        chosen = choose_backends(config, kernels, self.device, self.dtype, head_dim)
+        # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
+        # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
+        self.flex, self.cpu_attention = chosen.flex, chosen.attention
+        # CUDA graphs: their pad rows and tokens need one spare slot and a few positions past max_model_len
+        store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
+        store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
         self.cache = SlotKVCache(cfg.num_hidden_layers, store_slots, cfg.num_key_value_heads,
                                  capacity(store_len) if self.flex else store_len,
                                  head_dim, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
-        # On CPU: RMSNorms and SiLU MLPs as one pass each, gate and up as one linear (cpu_fused.py), before
-        # the linears are swapped below (the merged gate/up is a plain nn.Linear). Mutates the model.
-        self.cpu_fused = cpu_fused_policy(cpu_fused, self.device, self.dtype)
-        self.fused_norms, self.fused_mlps = fuse(model, self.cpu_fused) if self.cpu_fused is not None else (0, 0)
-        # On CPU, regroup the linear weights once for our panel kernel (fp32 or bf16), else reorder them for
-        # oneDNN: a decoding step then streams the weights at memory speed, and verifying a few tokens
-        # per sequence costs little more than one (see cpu_linear.py). Mutates the model in place.
-        # pack_linear=False leaves the model's linears alone (torch's F.linear).
-        self.cpu_linear = cpu_linear_policy(cpu_linear, self.device, self.dtype) if pack_linear else None
-        self.panel_linears = panel_linears(model, self.cpu_linear) if self.cpu_linear is not None else 0
-        self.packed_linears = (pack_linears(model) if not self.panel_linears and pack_linear
-                               and can_pack(self.device, self.dtype) else 0)
-        # Route attention through the slot store. Calls without `slot_step` (e.g. HF generate on the
-        # same model object) fall through to SDPA, so the model stays usable elsewhere.
-        register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
-        # On CPU with all of the above in place: the forward as one loop over those kernels, RoPE and the
-        # KV write in one pass, q/k/v as one linear (cpu_decoder.py); the same numbers as the model's
-        # forward, without its glue. Merges q/k/v's panels in place (the modules keep views).
-        self.decoder = cpu_decoder_policy(cpu_decoder, model, self.cache, self.cpu_attention, self.cpu_fused,
-                                          self.cpu_linear if self.panel_linears else None, max_model_len,
-                                          active_sliding_window(model.config))
+        self._apply(model, chosen, kernels)
         # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
         # (or the CPU loop over them) take every forward.
         self.graphs = (StepGraphs(self._model_forward, self.num_groups, self.dtype, self.device, num_slots,
-                                  self.cache.max_len, CudaCapture(self.device) if capture else None)
-                       if graphs and self.decoder is None and self.cpu_attention is None else None)
+                                  self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None)
+                       if chosen.graphs and self.decoder is None and self.cpu_attention is None else None)
+        self.plan = self._plan(chosen)
+
+    def _apply(self, model, chosen: Backends, kernels: Kernels) -> None:
+        """Apply the chosen kernels to the model, in place, in the order they depend on each other."""
+        # RMSNorms and SiLU MLPs as one pass each, gate and up as one linear, before the linears are
+        # swapped below (the merged gate/up is a plain nn.Linear)
+        self.cpu_fused = chosen.fused
+        self.fused_norms, self.fused_mlps = fuse(model, chosen.fused) if chosen.fused is not None else (0, 0)
+        # Linear weights regrouped once for our panel kernel (fp32 or bf16), else reordered for oneDNN: a
+        # decoding step then streams the weights at memory speed, and verifying a few tokens per sequence
+        # costs little more than one (backends/cpu/linear.py). Without packed_linear: torch's F.linear.
+        self.cpu_linear = chosen.linear
+        self.panel_linears = panel_linears(model, chosen.linear) if chosen.linear is not None else 0
+        self.packed_linears = (pack_linears(model) if not self.panel_linears and kernels.packed_linear
+                               and can_pack(self.device, self.dtype) else 0)
+        # Attention through the slot store. Calls without `slot_layout` (e.g. HF generate on the same
+        # model object) fall through to SDPA, so the model stays usable elsewhere.
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        # With all of the above in place: the forward as one loop over those kernels, RoPE and the KV
+        # write in one pass, q/k/v as one linear; the same numbers as the model's forward, without its glue.
+        self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
+                                          chosen.linear if self.panel_linears else None, self.max_model_len,
+                                          active_sliding_window(model.config))
+
+    def _plan(self, chosen: Backends) -> BackendPlan:
+        attention = ("cpu-kernel" if self.cpu_attention is not None else
+                     {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
+        linear = (f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else
+                  "onednn-packed" if self.packed_linears else "torch")
+        graphs = "off" if self.graphs is None else "captured" if chosen.capture_graphs else "uncaptured"
+        return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules",
+                           "cpu-loop" if self.decoder is not None else "modules", graphs)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -170,3 +168,13 @@ class ModelRunner:
         """Wait for queued device work, so wall-clock timings are honest on asynchronous devices."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def build_runner(model, num_slots: int, max_model_len: int, *, compile: str = "off", cuda_graphs: str = "off",
+                 **switches) -> ModelRunner:
+    """A runner with the per-kernel switches set one by one (Kernels' fields; cuda_graphs may also be
+    UNCAPTURED): the seam tests and benchmarks use to force a path. Jobs build runners from their config."""
+    uncaptured = cuda_graphs == UNCAPTURED
+    config = EngineConfig(max_num_seqs=num_slots, max_model_len=max_model_len, compile=compile,
+                          cuda_graphs="off" if uncaptured else cuda_graphs)
+    return ModelRunner(model, config, Kernels(**switches, uncaptured_graphs=uncaptured))

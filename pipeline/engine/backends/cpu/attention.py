@@ -137,6 +137,6 @@ def kernel() -> CpuAttention:
 
 
 def policy(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuAttention | None:
-    """The kernel a runner uses under engine.cpu_attention = mode: auto (where
+    """The kernel a runner uses under its switch cpu_attention = mode: auto (where
     it is available), on (raises where not), off (None: torch's kernels)."""
     return choose("cpu_attention", mode, lambda: unavailable(device, dtype, head_dim), kernel)

@@ -104,18 +104,16 @@ def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], N
         return None, f"{type(e).__name__}: {e}"
 
 
-
-
 def choose(key: str, mode: str, why_not: Callable[[], str | None], load: Callable[[], K]) -> K | None:
-    """A kernel under engine.<key> = mode: auto (where `why_not()` says nothing), on (raises with its
-    reason where not), off (None: the caller's torch/oneDNN path)."""
+    """A kernel under its switch `key` = mode (model/plan.py's Kernels): auto (where `why_not()` says
+    nothing), on (raises with its reason where not), off (None: the caller's torch/oneDNN path)."""
     if mode not in MODES:
-        raise ValueError(f"engine.{key}: expected one of {MODES}, got {mode!r}")
+        raise ValueError(f"{key}: expected one of {MODES}, got {mode!r}")
     if mode == "off":
         return None
     reason = why_not()
     if reason is not None:
         if mode == "on":
-            raise RuntimeError(f"engine.{key}=on, but the kernel cannot be used: {reason}")
+            raise RuntimeError(f"{key}=on, but the kernel cannot be used: {reason}")
         return None
     return load()

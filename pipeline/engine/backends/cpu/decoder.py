@@ -1,4 +1,4 @@
-"""A decoder's forward on CPU as one loop over our kernels (engine.cpu_decoder).
+"""A decoder's forward on CPU as one loop over our kernels (the cpu_decoder switch under engine.kernels).
 
 Why: with the linears, attention, RMSNorms and the MLP's product in our C kernels, what was left of a
 step was glue: Hugging Face's module calls (~0.3 ms per layer in Python), RoPE as six torch ops, the
@@ -23,7 +23,7 @@ own forward through the runner (tests/test_cpu_decoder.py checks it, per family 
 Scope: the families cpu_fused knows (Llama, SmolLM, Qwen2/2.5, Qwen3, Mistral) when the runner has put
 our kernels in all the places above (attention, fused norms, panel linears for q/k/v/o) and the model
 has no sliding window shorter than the context served. Anything else keeps the model's forward;
-`unsupported()` says why. engine.cpu_decoder = auto | on | off.
+`unsupported()` says why. Its switch cpu_decoder (model/plan.py's Kernels, under engine.kernels) = auto | on | off.
 
 This module knows nothing about requests or sampling: it sees the model, the store and a StepLayout.
 """
@@ -219,7 +219,7 @@ class CpuDecoder:
 def policy(mode: str, model: nn.Module, cache: SlotKVCache, attention: CpuAttention | None,
            ops: FusedOps | None, linear: PanelKernel | None, max_model_len: int,
            sliding_window: int | None = None) -> CpuDecoder | None:
-    """The loop a runner uses under engine.cpu_decoder = mode: auto (where `unsupported` says nothing),
+    """The loop a runner uses under its switch cpu_decoder = mode: auto (where `unsupported` says nothing),
     on (raises with its reason where not), off (None: the model's forward)."""
     return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, linear, max_model_len, sliding_window),
                   lambda: CpuDecoder(model, family_of(model), cache, attention, ops, linear))

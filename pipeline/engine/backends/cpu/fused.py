@@ -11,7 +11,7 @@ multiplies). Here:
     the width (one weight stream, one kernel call instead of two), then silu(gate) * up in one pass.
     bf16 MLPs keep their modules: a bf16 product kernel of ours (fused_ops.c says how) and torch's
     ops on the halves of a merged gate/up both measured slower in a 2048-token prefill than the
-    module's contiguous gate and up (bench/step_split.py, bench/RESULTS.md "Session 7").
+    module's contiguous gate and up (bench/step_split.py, bench/RESULTS.md, "CPU kernels").
 The new linears are plain `nn.Linear`s, so the runner's linear kernel (ours or oneDNN's) takes them
 like any other.
 
@@ -22,7 +22,7 @@ from the Hugging Face modules is the order of one sum (the mean square) and our 
 the Hugging Face modules themselves before first use.
 
 Scope: fp32 and bf16 CPU models of the families in NORMS / MLPS (Llama, SmolLM, Qwen2/2.5, Qwen3,
-Mistral) with a SiLU MLP; anything else keeps its modules. engine.cpu_fused = auto | on | off.
+Mistral) with a SiLU MLP; anything else keeps its modules. Its switch cpu_fused (model/plan.py's Kernels, under engine.kernels) = auto | on | off.
 
 This module knows nothing about the engine: `fuse(model, ops)` swaps modules in place.
 """
@@ -332,6 +332,6 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def policy(mode: str, device: torch.device, dtype: torch.dtype) -> FusedOps | None:
-    """The kernels a runner uses under engine.cpu_fused = mode: auto (where available), on (raises
+    """The kernels a runner uses under its switch cpu_fused = mode: auto (where available), on (raises
     where not), off (None: the models' own modules)."""
     return choose("cpu_fused", mode, lambda: unavailable(device, dtype), kernel)

@@ -19,14 +19,14 @@ its size in memory (SmolLM2-135M: 113 MB fp32; Qwen2.5-1.5B: 0.9 GB).
 Numerics: a packed linear's rows are as close to `F.linear`'s as `F.linear`'s own rows are to each
 other across batch sizes (neither is bitwise batch-invariant; ~1e-6 relative).
 
-Our kernel (csrc/panel_linear.c, fp32, CPUs with a C compiler; engine.cpu_linear, default auto)
+Our kernel (csrc/panel_linear.c, fp32, CPUs with a C compiler; the cpu_linear switch under engine.kernels)
 goes further at the small M of decoding. oneDNN's packed kernel reads a weight at ~16 GB/s with one
 row here, where the memory system gives 30-40: batch-1 decoding is a stream over all the weights, so
 that was most of a batch-1 step. The panel layout ([N/16, K, 16]: 16 outputs' weights side by side
 for each input index) makes one row a plain forward stream, and the same layout is the B operand
 of a register-blocked GEMM for many rows. Measured on SmolLM2's 211 weights on this box
 (bench/linear_kernels.py --weights smollm2): 1.2-2.6x oneDNN's speed at 1-24 rows, level at 64 and
-2048, 0.82x at 256 (bench/RESULTS.md, "Session 5").
+2048, 0.82x at 256 (bench/RESULTS.md, "CPU kernels").
 It replaces oneDNN's packing where it is used (one copy of each weight, as before).
 
 bf16 models (`models.dtype: auto` on CPUs with avx512_bf16) get the twin, csrc/panel_linear_bf16.c:
@@ -228,7 +228,7 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def policy(mode: str, device: torch.device, dtype: torch.dtype) -> PanelKernel | None:
-    """The panel kernel a runner uses under engine.cpu_linear = mode: auto (where it is available),
+    """The panel kernel a runner uses under its switch cpu_linear = mode: auto (where it is available),
     on (raises where not), off (None: oneDNN packing or torch's F.linear)."""
     return choose("cpu_linear", mode, lambda: unavailable(device, dtype), lambda: _load(dtype)[0])
 

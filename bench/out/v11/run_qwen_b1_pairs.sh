@@ -1,6 +1,0 @@
-cd $(git rev-parse --show-toplevel)
-date > bench/out/v11/qwen_b1_pairs.times
-.venv/bin/python -m bench.bench --model qwen --prompts bench/out/prompts_qwen_16.json --n-all 8 --n-b1 2 --max-tokens 128 --repeats 2 --dtype float32 \
-  --out bench/out/v11/qwen_b1_pairs.json --only ours_none_b1 ours_adaptive_draft_b1 ours_adaptive_draft_bf16draft_b1 > bench/out/v11/qwen_b1_pairs.log 2>&1
-date >> bench/out/v11/qwen_b1_pairs.times
-echo done > bench/out/v11/qwen_b1_pairs.done

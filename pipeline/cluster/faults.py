@@ -1,0 +1,62 @@
+"""Failure drills injected into a generation worker: a fault plan built from the job's `debug.*`
+keys and the worker's place (index, incarnation).
+
+The worker calls the plan's hooks at fixed points (`on_load`, `after_step`, `before_commit`); at the
+debug defaults every hook does nothing. Only the first incarnation of worker 0 hangs or crashes on a
+step count or at load, so its replacement finishes the job; `crash_before_commit` hits every worker.
+
+Knows DebugConfig and how to die or hang like a broken process; knows nothing about engines, units or
+the output layout.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from ..job.config import DebugConfig
+
+EXIT_CODE = 17                              # a drill's exit status (any non-zero one would do)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """What this worker does wrong; all fields at their defaults: nothing."""
+    hang_load: bool = False                 # load() never returns
+    crash_after_steps: int = 0              # exit after this many engine steps (0: never)
+    hang_after_steps: int = 0               # the engine loop stops after this many steps (0: never)
+    crash_before_commit: bool = False       # exit after writing a unit's data, before its marker
+
+    @classmethod
+    def from_config(cls, debug: DebugConfig, index: int, incarnation: int) -> FaultPlan:
+        first_w0 = index == 0 and incarnation == 0
+        return cls(hang_load=debug.hang_load and first_w0,
+                   crash_after_steps=debug.crash_worker_after_steps if first_w0 else 0,
+                   hang_after_steps=debug.hang_worker_after_steps if first_w0 else 0,
+                   crash_before_commit=debug.crash_before_commit)
+
+    def on_load(self) -> None:
+        if self.hang_load:
+            hang()                          # a load that never returns
+
+    def after_step(self, steps: int) -> None:
+        """Called by the engine loop after each step, with the steps taken so far."""
+        if self.crash_after_steps and steps >= self.crash_after_steps:
+            exit_now()
+        if self.hang_after_steps and steps >= self.hang_after_steps:
+            hang()                          # an engine loop that stops
+
+    def before_commit(self) -> None:
+        """Called by the writer after a unit's data is staged and before its marker is written."""
+        if self.crash_before_commit:
+            exit_now()
+
+
+def exit_now() -> None:
+    """Die like a killed process (no cleanup, no exception)."""
+    os._exit(EXIT_CODE)
+
+
+def hang() -> None:
+    """Block this thread forever."""
+    threading.Event().wait()

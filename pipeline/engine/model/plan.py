@@ -1,0 +1,104 @@
+"""The backend plan: which kernels run a model's forward on this device, chosen in one place.
+
+`engine.kernels` (auto | torch), `engine.compile` and `engine.cuda_graphs` are what a user decides.
+Below them, `Kernels` holds one switch per kernel (auto | on | off): the seams tests and benchmarks
+use to force a path; a job never sets them. `choose_backends` turns both into the kernels a runner
+loads; the runner applies them to its model and records what runs as a `BackendPlan`, which the job
+summary and the benchmarks print.
+
+It knows nothing about requests, drafting or sampling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.cpu.attention import CpuAttention
+from ..backends.cpu.attention import policy as cpu_attention_policy
+from ..backends.cpu.fused import FusedOps
+from ..backends.cpu.fused import policy as cpu_fused_policy
+from ..backends.cpu.linear import PanelKernel
+from ..backends.cpu.linear import policy as cpu_linear_policy
+from ..backends.cuda.graphs import policy as cuda_graphs_policy
+from ..backends.flex import flex_unavailable
+from ..config import MODES, EngineConfig
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Per-kernel switches (auto | on | off): test and benchmark seams under `engine.kernels`."""
+    packed_linear: bool = True      # CPU: regroup linear weights once (our panel kernel's, else oneDNN's)
+    cpu_attention: str = "auto"     # our C attention kernel, each row reading its own keys
+    cpu_linear: str = "auto"        # with packed_linear: our C panel kernel, fp32/bf16
+    cpu_fused: str = "auto"         # RMSNorm and silu(gate) * up as one pass each
+    cpu_decoder: str = "auto"       # the forward as one loop over the three kernels above
+    uncaptured_graphs: bool = False  # the CUDA graphs' padded forward run without capture (CPU tests)
+
+    @classmethod
+    def of(cls, kernels: str) -> "Kernels":
+        """engine.kernels: auto (every kernel where it builds and applies) | torch (none of ours)."""
+        if kernels == "torch":
+            return cls(packed_linear=False, cpu_attention="off", cpu_linear="off", cpu_fused="off",
+                       cpu_decoder="off")
+        return cls()
+
+    def __post_init__(self):
+        for name in ("cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder"):
+            if getattr(self, name) not in MODES:
+                raise ValueError(f"{name}: expected one of {MODES}, got {getattr(self, name)!r}")
+        if self.cpu_linear == "on" and not self.packed_linear:
+            raise ValueError("cpu_linear=on needs packed_linear (without it torch's linears run)")
+
+
+@dataclass
+class Backends:
+    """The kernels chosen for one model on one device (None: not used)."""
+    flex: str | None                 # "always" | "cheaper" (steps where flex.prefer_flex says so) | None
+    attention: CpuAttention | None
+    linear: PanelKernel | None
+    fused: FusedOps | None
+    capture_graphs: bool             # capture CUDA graphs
+    graphs: bool                     # run the graphs' padded path (captured, or uncaptured in tests)
+
+
+def flex_policy(compile_mode: str, device: torch.device) -> str | None:
+    """When a runner takes the compiled FlexAttention path: "always" (engine.compile=on; raises where
+    it cannot compile), "cheaper" (auto: on steps where flex.prefer_flex says so, wherever it can
+    compile), or None (off, or auto where it cannot: the eager padded-SDPA path)."""
+    if compile_mode not in MODES:
+        raise ValueError(f"engine.compile: expected one of {MODES}, got {compile_mode!r}")
+    if compile_mode == "off":
+        return None
+    reason = flex_unavailable(device)
+    if reason is not None and compile_mode == "on":
+        raise RuntimeError(f"engine.compile=on, but FlexAttention cannot be compiled on {device}: {reason}")
+    if reason is not None:
+        return None
+    return "always" if compile_mode == "on" else "cheaper"
+
+
+def choose_backends(config: EngineConfig, kernels: Kernels, device: torch.device, dtype: torch.dtype,
+                    head_dim: int) -> Backends:
+    """The kernels a model of this dtype and head size runs on `device`, loading (building at first
+    use) those of ours that apply. Raises where a switch says `on` and its kernel cannot run."""
+    capture = not kernels.uncaptured_graphs and cuda_graphs_policy(config.cuda_graphs, device)
+    return Backends(
+        flex=flex_policy(config.compile, device),
+        attention=cpu_attention_policy(kernels.cpu_attention, device, dtype, head_dim),
+        linear=cpu_linear_policy(kernels.cpu_linear, device, dtype) if kernels.packed_linear else None,
+        fused=cpu_fused_policy(kernels.cpu_fused, device, dtype),
+        capture_graphs=capture, graphs=capture or kernels.uncaptured_graphs)
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """What runs one model's forward, as applied."""
+    attention: str      # cpu-kernel | flex | flex-where-cheaper | sdpa
+    linear: str         # panel-<dtype> | onednn-packed | torch
+    norms: str          # fused | modules
+    decoder: str        # cpu-loop | modules
+    graphs: str         # captured | uncaptured | off
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.__dict__.items())
