@@ -5,7 +5,7 @@
 #     bash bench/gpu_check.sh [MODEL_DIR ...]
 #
 # 1. environment: nvidia-smi -L, python/torch/CUDA/transformers versions, the modules the check needs;
-# 2. python3 -m pytest tests/test_gpu.py (greedy identity, sampling, bf16 on CUDA; tiny random models,
+# 2. python3 -m pytest tests/engine/test_gpu.py (greedy identity, sampling, bf16 on CUDA; tiny random models,
 #    plus a real checkpoint when a MODEL_DIR is given);
 # 3. python3 -m bench.gpu_bench: tokens/s next to the HBM floor (random-init SmolLM2/Qwen shapes, or the
 #    MODEL_DIRs: HF safetensors directories).
@@ -60,7 +60,7 @@ for d in "$@"; do
     if [ -d "$d" ]; then DIRS+=("$d"); else log "model dir $d: not found, skipped (real-model figures need it)"; fi
 done
 if [ ${#DIRS[@]} -gt 0 ] && [ -z "${SPECPIPE_GPU_MODEL_DIR:-}" ]; then
-    export SPECPIPE_GPU_MODEL_DIR="${DIRS[0]}"          # tests/test_gpu.py's real-checkpoint test
+    export SPECPIPE_GPU_MODEL_DIR="${DIRS[0]}"          # tests/engine/test_gpu.py's real-checkpoint test
 fi
 [ ${#DIRS[@]} -gt 0 ] || log "no model dir: tests use tiny random models, the benchmark random-init real shapes"
 
@@ -68,10 +68,10 @@ TEST_RC=0
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" = 1 ]; then
     log "== tests skipped (GPU_CHECK_SKIP_TESTS=1)"
 elif ! "$PY" -c "import pytest" 2>/dev/null; then
-    log "== pytest is not installed for $PY: tests/test_gpu.py NOT run (no network to install it)"
+    log "== pytest is not installed for $PY: tests/engine/test_gpu.py NOT run (no network to install it)"
 else
-    log "== tests/test_gpu.py (at most ${TEST_S} s; log: $LOGDIR/gpu_tests.log)"
-    timeout "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_gpu.py 2>&1 \
+    log "== tests/engine/test_gpu.py (at most ${TEST_S} s; log: $LOGDIR/gpu_tests.log)"
+    timeout "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 tests/engine/test_gpu.py 2>&1 \
         | tee "$LOGDIR/gpu_tests.log"
     TEST_RC=${PIPESTATUS[0]}
     [ "$TEST_RC" -eq 124 ] && log "tests: cut at ${TEST_S} s (timeout)"

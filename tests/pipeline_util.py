@@ -1,6 +1,8 @@
 """Helpers shared by the pipeline tests: prompt shards, job configs, reading a run back."""
 from __future__ import annotations
 
+import collections
+
 import json
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.job.config import load_config
+from pipeline.io.schema import to_table
 
 WORDS = ("river stone cloud lamp garden violin harbor pencil meadow rocket copper lantern orbit "
          "maple canyon ember falcon quartz willow saffron").split()
@@ -57,3 +60,30 @@ def read_run(run_dir: Path) -> dict[str, list[dict]]:
 
 def manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "manifest.json").read_text())
+
+
+def shards(root, files=3, rows=7):
+    ids = []
+    for f in range(files):
+        rows_f = prompt_rows(rows + f, f"f{f}", seed=f)
+        write_parquet(root / f"part-{f}.parquet", rows_f, row_group_size=4)
+        ids += [r["id"] for r in rows_f]
+    return ids
+
+
+def check_exactly_once(run, ids):
+    got = [c["id"] for c in run["completions"]] + [e["id"] for e in run["errors"]]
+    assert sorted(got) == sorted(ids), "every input row in exactly one of completions or errors"
+    emitted = collections.Counter()
+    for r in run["rounds"]:
+        emitted[r["id"]] += r["emitted"]
+    for c in run["completions"]:
+        assert emitted[c["id"]] == c["completion_tokens"] == len(c["token_ids"])
+        assert c["rounds"] == sum(1 for r in run["rounds"] if r["id"] == c["id"])
+
+
+def unit_tables(n):
+    comp = [{k: None for k in to_table("completions", []).schema.names} | {"id": str(i)} for i in range(n)]
+    return {"completions": to_table("completions", comp), "rounds": to_table("rounds", []),
+            "errors": to_table("errors", [])}
+

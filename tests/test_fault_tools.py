@@ -27,7 +27,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.credentials import Credentials
 
-from test_s3 import moto_endpoint  # noqa: F401 -- the module's moto server fixture
+from s3_util import moto_endpoint  # noqa: F401 -- the module's moto server fixture
 from faults import (FAST_NODE_FAILURE_ENV, RayNode, S3FaultProxy, cluster_nodes, fill_until_full,
                     session_members, small_disk, wait_for_nodes)
 

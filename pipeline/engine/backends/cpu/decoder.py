@@ -18,7 +18,7 @@ feeds only the logits.
 
 Numbers: the same kernels on the same inputs as the runner's module path, and RoPE and the residual
 adds rounding where torch's ops round (fp32 and bf16), so the logits are bitwise those of the model's
-own forward through the runner (tests/test_cpu_decoder.py checks it, per family and dtype).
+own forward through the runner (tests/engine/backends/test_cpu_decoder.py checks it, per family and dtype).
 
 Scope: the families cpu_fused knows (Llama, SmolLM, Qwen2/2.5, Qwen3, Mistral) when the runner has put
 our kernels in all the places above (attention, fused norms, panel linears for q/k/v/o) and the model

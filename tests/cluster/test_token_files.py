@@ -1,6 +1,6 @@
 """The Ray token files we create or use are private to their user: 0600 in a 0700 folder, for the
-job's own local Ray (driver.secure_local_token) and for infra/start_local_cluster.sh. Before, Ray's
-own writer left ~/.ray/auth_token 0644 in a 0755 folder: any local user could take the cluster."""
+job's own local Ray (driver.secure_local_token) and for infra/start_local_cluster.sh. Ray's
+own writer leaves ~/.ray/auth_token 0644 in a 0755 folder, where any local user could take the cluster."""
 import os
 import subprocess
 

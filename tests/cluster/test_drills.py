@@ -20,8 +20,8 @@ from conftest import RayHead
 from faults import RayNode, S3FaultProxy, _cmdline, fill_until_full, small_disk, wait_for_nodes
 from pipeline.cluster.driver import JobFailed, run_job
 from pipeline_util import job_config, job_overrides, prompt_rows, read_run, write_parquet
-from test_pipeline import _check_exactly_once, _shards
-from test_s3 import moto_endpoint, s3  # noqa: F401 -- fixtures
+from pipeline_util import check_exactly_once, shards
+from s3_util import moto_endpoint, s3  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.slow
 VERDICT_S = 120          # a fault must end in a verdict this fast: well under 2 minutes
@@ -82,7 +82,7 @@ def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
     placement_timeout_s the job goes on with the live worker and finishes (before: stuck at 15/20
     units for 300 s, no message). Spare capacity: one worker; its replacement is placed on the other
     node and must finish the job."""
-    ids = _shards(tmp_path / "in", files=2, rows=40)          # ~20 s of work: the loss comes early
+    ids = shards(tmp_path / "in", files=2, rows=40)          # ~20 s of work: the loss comes early
     nodes = [RayNode(small_head, num_cpus=1) for _ in range(2)]
     workers = 1 if spare else 2
     try:
@@ -105,7 +105,7 @@ def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
         for n in nodes:
             n.stop()
     run = read_run(tmp_path / "out" / "t")
-    _check_exactly_once(run, ids)
+    check_exactly_once(run, ids)
     by = {c["worker"] for c in run["completions"]}
     assert by == ({"w0", "w0.1"} if spare else {"w0", "w1"}), by
     summary = json.loads((tmp_path / "out" / "t" / "manifest.json").read_text())
@@ -114,18 +114,18 @@ def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
 
 # ---- supervision deadlines (in-process, shared head) ------------------------------------------------
 def test_hung_worker_is_replaced(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=1, rows=8)
+    ids = shards(tmp_path / "in", files=1, rows=8)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
                      "cluster.num_workers=1", "debug.hang_worker_after_steps=3", "cluster.stall_timeout_s=8")
     summary = run_job(cfg)
     assert summary["worker_restarts"] == 1 and summary["unit_retries"] >= 1
     run = read_run(tmp_path / "out" / "t")
-    _check_exactly_once(run, ids)
+    check_exactly_once(run, ids)
     assert {c["worker"] for c in run["completions"]} == {"w0.1"}
 
 
 def test_hung_load_and_unplaceable_worker_end_in_a_named_verdict(tiny_model_dir, ray_head, tmp_path):
-    _shards(tmp_path / "in", files=1, rows=4)
+    shards(tmp_path / "in", files=1, rows=4)
     base = (tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
             "cluster.num_workers=1")
     t0 = time.time()
@@ -144,7 +144,7 @@ def s3_faulty(s3, moto_endpoint):
 
 
 def _s3_overrides(model_dir, address, proxy_url, *extra):
-    from test_s3 import BUCKET, KEY, REGION, SECRET
+    from s3_util import BUCKET, KEY, REGION, SECRET
     return job_overrides(model_dir, f"s3://{BUCKET}/in", f"s3://{BUCKET}/out", f"cluster.address={address}",
                          "input.rows_per_unit=2", "sampling.max_tokens=16", f"storage.endpoint_url={proxy_url}",
                          f"storage.key={KEY}", f"storage.secret={SECRET}", f"storage.region={REGION}",
@@ -154,7 +154,7 @@ def _s3_overrides(model_dir, address, proxy_url, *extra):
 def _s3_shards(fs, n=12) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from test_s3 import BUCKET
+    from s3_util import BUCKET
     rows = prompt_rows(n, "s")
     with fs.open(f"{BUCKET}/in/a.parquet", "wb") as f:
         pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=4)
@@ -163,7 +163,7 @@ def _s3_shards(fs, n=12) -> list[str]:
 
 def _s3_ids(fs) -> list[str]:
     import pyarrow.parquet as pq
-    from test_s3 import BUCKET
+    from s3_util import BUCKET
     got = []
     for kind in ("completions", "errors"):
         for path in fs.glob(f"{BUCKET}/out/t/{kind}/*.parquet"):
@@ -186,7 +186,7 @@ def test_s3_failing_15_percent_of_requests(s3_faulty, tiny_model_dir, ray_head, 
 def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_model_dir, ray_head, tmp_path):
     fs, proxy = s3_faulty
     ids = _s3_shards(fs, n=16)
-    from test_s3 import BUCKET
+    from s3_util import BUCKET
     overrides = _s3_overrides(tiny_model_dir, ray_head.address, proxy.url, "cluster.num_workers=1")
     job = Job(tmp_path, overrides)
     deadline = time.time() + 240
@@ -213,7 +213,7 @@ def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_
 
 # ---- a full disk ------------------------------------------------------------------------------------
 def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=2, rows=10)
+    ids = shards(tmp_path / "in", files=2, rows=10)
     with small_disk(8) as disk:
         ballast = disk / "ballast"
         overrides = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(disk / "out"),
@@ -234,12 +234,12 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
         ballast.unlink()                                       # space is freed; the same command resumes
         rerun = Job(tmp_path, overrides, name="rerun")
         assert rerun.wait(timeout=300) == 0, rerun.output[-3000:]
-        _check_exactly_once(read_run(disk / "out" / "t"), ids)
+        check_exactly_once(read_run(disk / "out" / "t"), ids)
 
 
 # ---- two drivers, signals ---------------------------------------------------------------------------
 def test_second_driver_on_a_live_run_is_refused(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=3, rows=16)
+    ids = shards(tmp_path / "in", files=3, rows=16)
     overrides = _overrides(tiny_model_dir, tmp_path, ray_head.address, "cluster.num_workers=1",
                            "sampling.max_tokens=64")
     first = Job(tmp_path, overrides, name="first")
@@ -252,7 +252,7 @@ def test_second_driver_on_a_live_run_is_refused(tiny_model_dir, ray_head, tmp_pa
     assert first.proc.poll() is None, "the first driver ended before the second tried: nothing was tested"
     assert f"being generated by another driver: held by pid {first.proc.pid}" in second.output
     assert first.wait(timeout=300) == 0, first.output[-3000:]
-    _check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
+    check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
 
 
 def _ray_daemons(started_by: int) -> set[int]:
@@ -272,7 +272,7 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     """The job's own local Ray (no cluster address), as the README demo runs it, with the default
     token location in a fresh HOME: the token file is private, a signal stops dispatch, the job says
     what was committed and how to resume, exits 128 + signal, and leaves no Ray process behind."""
-    ids = _shards(tmp_path / "in", files=2, rows=40)    # 40 units: more than a fast box finishes in the grace
+    ids = shards(tmp_path / "in", files=2, rows=40)    # 40 units: more than a fast box finishes in the grace
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
@@ -300,7 +300,7 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     assert 2 <= committed < 40
     rerun = Job(tmp_path, overrides, env=env, name="rerun")
     assert rerun.wait(timeout=300) == 0, rerun.output[-3000:]
-    _check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
+    check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
     assert (token.stat().st_mode & 0o777) == 0o600
 
 

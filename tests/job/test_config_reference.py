@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.job.config import JobConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| `([a-z_]+\.[a-z_.]+)` \| ([^|]*) \|")
 
 

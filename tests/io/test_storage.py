@@ -22,7 +22,7 @@ from pipeline.io.storage import RetryPolicy, StorageError, create_exclusive, put
 from pipeline.io.writer import OutputError, RunOutput
 from pipeline.report.summary import load
 from pipeline_util import prompt_rows, write_parquet
-from test_io import _tables
+from pipeline_util import unit_tables
 
 S = StorageConfig(retry_backoff_s=0.01, retry_max_backoff_s=0.02)
 FAST = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
@@ -90,25 +90,25 @@ def test_create_exclusive_has_one_winner(tmp_path):
 # ---- markers and readers ----------------------------------------------------------------------------
 def test_torn_marker_counts_as_not_committed_and_the_rerun_repairs_it(tmp_path, caplog):
     out = RunOutput(str(tmp_path), "r", S)
-    out.write_unit("u1", _tables(2), {"rows": 2})
+    out.write_unit("u1", unit_tables(2), {"rows": 2})
     (tmp_path / "r" / "_committed" / "u2.json").write_bytes(b"")        # a 0-byte marker (old in-place write)
     (tmp_path / "r" / "_committed" / "u3.json").write_text('{"rows": 3')  # cut mid-write
     assert list(out.committed()) == ["u1"]
     assert "invalid commit marker" in caplog.text and "u2.json" in caplog.text
     assert not out.is_committed("u2") and out.is_committed("u1")
-    out.write_unit("u2", _tables(1), {"rows": 1})                        # the unit runs again
+    out.write_unit("u2", unit_tables(1), {"rows": 1})                        # the unit runs again
     assert sorted(out.committed()) == ["u1", "u2"]
 
 
 def test_readers_find_committed_data_before_it_is_published(tmp_path, monkeypatch):
     """A storage failure after the marker (publish) must neither fail the unit nor hide its data."""
     out = RunOutput(str(tmp_path), "r", S)
-    out.write_unit("u1", _tables(2), {"rows": 2})
+    out.write_unit("u1", unit_tables(2), {"rows": 2})
 
     def publish_fails(self, uid):
         raise StorageError("publish s3://x: EndpointConnectionError (gave up after 5 attempts)")
     monkeypatch.setattr(RunOutput, "publish", publish_fails)
-    marker = out.write_unit("u2", _tables(3), {"rows": 3})               # committed all the same
+    marker = out.write_unit("u2", unit_tables(3), {"rows": 3})               # committed all the same
     assert marker["unit"] == "u2" and out.is_committed("u2")
     assert not (tmp_path / "r" / "completions" / "u2.parquet").exists()
     for kind in ("completions", "rounds", "errors"):

@@ -12,7 +12,7 @@ from conftest import DRAFTERS, make_engine, mixed_prompts, run_requests
 from pipeline.engine import DraftingConfig, DraftBatch, Drafter, DraftModelDrafter, EngineConfig, HybridDrafter, NgramDrafter, NoDrafter, SamplingParams, SpecEngine, SuffixDrafter, SuffixParams
 from pipeline.engine.model.runner import build_runner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class ScriptedDrafter:

@@ -32,9 +32,9 @@ from pipeline.synthetic.quality import quality_flags, text_key
 from pipeline.job.rows import passthrough
 from pipeline.synthetic.schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
 from pipeline.synthetic.job import ScheduleConfig, expand, load_seeds, load_synthetic_config, plan_slot, resolve_slot
-from test_s3 import BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
+from s3_util import BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLOT = "2026-11-30T00"
 UTC = timezone.utc
 ASCII = [chr(c) for c in range(32, 127)]

@@ -10,63 +10,20 @@ The checks read the output back with a separate, uncached s3fs instance and with
 from __future__ import annotations
 
 import json
-import logging
-import urllib.request
 from collections import Counter
 
-import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import s3fs
-from moto.server import ThreadedMotoServer
 
 from pipeline.cluster import driver
 from pipeline.cluster.driver import run_job
 from pipeline.io.reader import InputError
 from pipeline_util import job_config, prompt_rows
+from s3_util import AWS_VARS, BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
 
-BUCKET = "specpipe-test"
-KEY, SECRET, REGION = "specpipe-test-key", "specpipe-test-secret-3b9f", "us-east-1"
-AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-            "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
 # Shard sizes: with input.rows_per_unit=3 the plan has 1 + 2 + 2 = 5 units over 3 files.
 SHARDS = {"a.parquet": 3, "b.parquet": 4, "c.parquet": 5}
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    """One moto S3 server on loopback for the module, started and stopped here."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)              # one log line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-def _reset(endpoint: str) -> None:
-    req = urllib.request.Request(f"{endpoint}/moto-api/reset", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-
-
-@pytest.fixture
-def s3(moto_endpoint, monkeypatch):
-    """A fresh store with one empty bucket; no AWS_* variables in this process unless a test sets
-    them. Yields an uncached s3fs filesystem for setup and checks (not shared with the job's)."""
-    for name in AWS_VARS:
-        monkeypatch.delenv(name, raising=False)
-    _reset(moto_endpoint)
-    client = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id=KEY,
-                          aws_secret_access_key=SECRET, region_name=REGION)
-    client.create_bucket(Bucket=BUCKET)
-    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": moto_endpoint},
-                           skip_instance_cache=True, use_listings_cache=False)
-    yield fs
-    _reset(moto_endpoint)
 
 
 def upload_shards(fs) -> dict[str, str]:

@@ -358,7 +358,7 @@ def test_worker_killed_mid_unit_with_suffix_drafter_completes_exactly_once(tiny_
     and the job still commits every row exactly once."""
     from pipeline.cluster.driver import run_job
     from pipeline_util import job_config, prompt_rows, read_run, write_parquet
-    from test_pipeline import _check_exactly_once
+    from pipeline_util import check_exactly_once
     rows = prompt_rows(10, "s", seed=3)
     rows += [dict(r, id=r["id"] + "-again") for r in rows]          # repeats: drafted from the index
     write_parquet(tmp_path / "in" / "a.parquet", rows)
@@ -368,5 +368,5 @@ def test_worker_killed_mid_unit_with_suffix_drafter_completes_exactly_once(tiny_
     summary = run_job(cfg)
     assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
     run = read_run(tmp_path / "out" / "t")
-    _check_exactly_once(run, [r["id"] for r in rows])
+    check_exactly_once(run, [r["id"] for r in rows])
     assert not run["errors"] and summary["accepted_tokens"] > 0

@@ -45,7 +45,7 @@ from pipeline.synthetic.schedule import parse_cron, parse_slot, zone
 from pipeline.synthetic.job import load_synthetic_config, resolve_slot
 from pipeline_util import manifest, prompt_rows, read_run, write_parquet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 K8S = INFRA / "k8s"
 LAUNCHER = INFRA / "cluster-launcher" / "aws.yaml"
@@ -610,7 +610,7 @@ def test_raycronjob_concurrency_policy():
     """Forbid where the CRD has a concurrency policy. The v1.7.0 RayCronJob has none (spec: schedule,
     timeZone, suspend, jobTemplate): every tick creates a RayJob, also while the last one runs; the
     job's slot lease makes a second run of a held or committed slot exit 0 without writing
-    (tests/test_synthetic.py). When a KubeRay release adds the field, this test asks for Forbid."""
+    (tests/synthetic/test_synthetic.py). When a KubeRay release adds the field, this test asks for Forbid."""
     cron_job = the_one("RayCronJob")
     fields = crd_schema("RayCronJob")["properties"]["spec"]["properties"]
     assert set(fields) == {"schedule", "timeZone", "suspend", "jobTemplate"}   # v1.7.0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline_util import job_overrides, manifest, prompt_rows, read_run, write_parquet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBMIT_TIMEOUT = 300     # the job takes ~20-30 s here; a driver that cannot reach its GCS retries ~10 min
 
 

@@ -1,7 +1,6 @@
 """The distributed job on a real local Ray cluster (`ray start --head`, token auth) with a tiny
 random-init model (real tokenizer): exactly-once output, consistency of the logs, failure drills,
 resume, bad rows."""
-import collections
 import json
 import os
 import signal
@@ -15,39 +14,19 @@ import pytest
 from pipeline.cluster.driver import JobFailed, run_job
 from pipeline.io.reader import InputError
 from pipeline.io.writer import OutputError
-from pipeline_util import job_config, job_overrides, manifest, prompt_rows, read_run, write_parquet
+from pipeline_util import check_exactly_once, shards, job_config, job_overrides, manifest, prompt_rows, read_run, write_parquet
 
 pytestmark = pytest.mark.slow
 
 
-def _shards(root, files=3, rows=7):
-    ids = []
-    for f in range(files):
-        rows_f = prompt_rows(rows + f, f"f{f}", seed=f)
-        write_parquet(root / f"part-{f}.parquet", rows_f, row_group_size=4)
-        ids += [r["id"] for r in rows_f]
-    return ids
-
-
-def _check_exactly_once(run, ids):
-    got = [c["id"] for c in run["completions"]] + [e["id"] for e in run["errors"]]
-    assert sorted(got) == sorted(ids), "every input row in exactly one of completions or errors"
-    emitted = collections.Counter()
-    for r in run["rounds"]:
-        emitted[r["id"]] += r["emitted"]
-    for c in run["completions"]:
-        assert emitted[c["id"]] == c["completion_tokens"] == len(c["token_ids"])
-        assert c["rounds"] == sum(1 for r in run["rounds"] if r["id"] == c["id"])
-
-
 def test_end_to_end_several_files_and_workers(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in")
+    ids = shards(tmp_path / "in")
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
                      f"cluster.address={ray_head.address}")
     summary = run_job(cfg)
     run_dir = tmp_path / "out" / "t"
     run = read_run(run_dir)
-    _check_exactly_once(run, ids)
+    check_exactly_once(run, ids)
     assert not run["errors"]
     # Both workers load and write into one run; which of them commits which unit is timing (a worker
     # that loads late on a busy machine may find the job done): the spread itself is test_dispatch's.
@@ -87,19 +66,19 @@ def test_speculation_does_not_change_greedy_output(tiny_model_dir, ray_head, tmp
 
 
 def test_worker_killed_mid_unit_job_completes_exactly_once(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=2, rows=9)
+    ids = shards(tmp_path / "in", files=2, rows=9)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
                      f"cluster.address={ray_head.address}", "debug.crash_worker_after_steps=3",
                      "sampling.max_tokens=12", "cluster.num_workers=1")   # only the replacement can finish
     summary = run_job(cfg)
     assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
     run = read_run(tmp_path / "out" / "t")
-    _check_exactly_once(run, ids)
+    check_exactly_once(run, ids)
     assert any(c["worker"] == "w0.1" for c in run["completions"])       # the replacement worked
 
 
 def test_crash_between_data_and_marker_then_rerun_commits_once(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=1, rows=8)
+    ids = shards(tmp_path / "in", files=1, rows=8)
     args = (tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}")
     with pytest.raises(JobFailed, match="no worker left|failed"):
         run_job(job_config(*args, "debug.crash_before_commit=true", "cluster.max_worker_restarts=0"))
@@ -109,11 +88,11 @@ def test_crash_between_data_and_marker_then_rerun_commits_once(tiny_model_dir, r
     assert not (run_dir / "_SUCCESS").exists()
     summary = run_job(job_config(*args))
     assert summary["units_skipped"] == 0
-    _check_exactly_once(read_run(run_dir), ids)
+    check_exactly_once(read_run(run_dir), ids)
 
 
 def test_driver_killed_then_rerun_skips_committed_units(tiny_model_dir, ray_head, tmp_path):
-    ids = _shards(tmp_path / "in", files=2, rows=10)
+    ids = shards(tmp_path / "in", files=2, rows=10)
     overrides = [f"cluster.address={ray_head.address}", "sampling.max_tokens=24", "input.rows_per_unit=2",
                  "cluster.num_workers=1"]
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), *overrides)
@@ -132,7 +111,7 @@ def test_driver_killed_then_rerun_skips_committed_units(tiny_model_dir, ray_head
     summary = run_job(cfg)
     assert summary["units_skipped"] >= committed
     run = read_run(tmp_path / "out" / "t")
-    _check_exactly_once(run, ids)
+    check_exactly_once(run, ids)
     reference = run_job(job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "ref"), *overrides))
     ref = {c["id"]: c["token_ids"] for c in read_run(tmp_path / "ref" / "t")["completions"]}
     assert {c["id"]: c["token_ids"] for c in run["completions"]} == ref

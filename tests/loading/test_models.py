@@ -64,7 +64,7 @@ def test_model_id():
 
 def test_file_work_imports_neither_torch_nor_transformers():
     code = "import sys, pipeline.loading.files; assert not {'torch', 'transformers'} & set(sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_check_source_refuses_unknown_and_pickled(tmp_path):

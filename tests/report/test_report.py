@@ -184,8 +184,8 @@ def test_notebook_runs_top_to_bottom(tiny_model_dir, ray_head, tmp_path):
                      "drafting.method=draft", f"models.draft={tiny_model_dir}")   # the target drafts: all accepted
     summary = run_job(cfg)
     assert summary["accepted_tokens"] == summary["draft_tokens"] > 0
-    nb = nbformat.read(os.path.join(os.path.dirname(__file__), "..", "notebooks", "acceptance.ipynb"), as_version=4)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    nb = nbformat.read(os.path.join(repo, "notebooks", "acceptance.ipynb"), as_version=4)
     env = {"SPECPIPE_RUN": str(tmp_path / "out" / "t"),      # the kernel imports this checkout's pipeline
            "PYTHONPATH": os.pathsep.join([repo] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     saved = {k: os.environ.get(k) for k in env}

@@ -12,7 +12,7 @@ from pipeline.io import reader
 from pipeline.io.reader import InputError, iter_rows, plan_units
 from pipeline.io.schema import to_table
 from pipeline.io.writer import OutputError, RunOutput
-from pipeline_util import prompt_rows, write_parquet
+from pipeline_util import unit_tables, prompt_rows, write_parquet
 
 S = StorageConfig()
 
@@ -101,26 +101,20 @@ def test_streaming_reads_only_the_units_row_groups(tmp_path, monkeypatch):
     assert seen == [[5, 6]]
 
 
-def _tables(n):
-    comp = [{k: None for k in to_table("completions", []).schema.names} | {"id": str(i)} for i in range(n)]
-    return {"completions": to_table("completions", comp), "rounds": to_table("rounds", []),
-            "errors": to_table("errors", [])}
-
-
 def test_commit_protocol_crash_before_marker_leaves_nothing_visible(tmp_path):
     out = RunOutput(str(tmp_path), "r", S)
 
     def crash():
         raise KeyboardInterrupt("killed between data and marker")
     with pytest.raises(KeyboardInterrupt):
-        out.write_unit("u1", _tables(3), {"rows": 3}, before_commit=crash)
+        out.write_unit("u1", unit_tables(3), {"rows": 3}, before_commit=crash)
     run = tmp_path / "r"
     assert out.committed() == {} and not (run / "completions").exists()
     assert list((run / "_staging" / "u1").iterdir())                 # the data was written, unseen
     with pytest.raises(FileNotFoundError):                             # readers of the folder see nothing
         pq.read_table(run / "completions")
-    out.write_unit("u1", _tables(3), {"rows": 3})                      # the retry commits it once
-    out.write_unit("u1", _tables(3), {"rows": 3})                      # and a second retry overwrites
+    out.write_unit("u1", unit_tables(3), {"rows": 3})                      # the retry commits it once
+    out.write_unit("u1", unit_tables(3), {"rows": 3})                      # and a second retry overwrites
     assert list(out.committed()) == ["u1"]
     assert pq.read_table(run / "completions").num_rows == 3
     assert not (run / "_staging" / "u1").exists()
@@ -129,7 +123,7 @@ def test_commit_protocol_crash_before_marker_leaves_nothing_visible(tmp_path):
 def test_committed_but_unpublished_unit_is_rolled_forward(tmp_path, monkeypatch):
     out = RunOutput(str(tmp_path), "r", S)
     monkeypatch.setattr(RunOutput, "publish", lambda self, uid: None)   # crash right after the marker
-    out.write_unit("u1", _tables(2), {"rows": 2})
+    out.write_unit("u1", unit_tables(2), {"rows": 2})
     monkeypatch.undo()
     assert not (tmp_path / "r" / "completions").exists()
     assert out.roll_forward() == 1

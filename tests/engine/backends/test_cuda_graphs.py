@@ -2,7 +2,7 @@
 capture: what a captured graph computes is this forward on its static buffers, so buckets, pad tokens,
 pad rows, the spare slot, the mask over the keys bucket and the logits' gather are all checked here.
 The capture's self-check runs here over stand-in runtimes (a faithful replay, one that writes nothing,
-one that raises); the CUDA capture itself needs a GPU: tests/test_gpu.py.
+one that raises); the CUDA capture itself needs a GPU: tests/engine/test_gpu.py.
 
 Logits are compared with the eager runner's at fp32 (atol 1e-4: padded keys change only the
 reduction's length), and greedy output with Hugging Face `generate`.

@@ -17,7 +17,7 @@ from scipy import stats
 from conftest import make_engine, noisy_copy, tiny_llama
 from pipeline.engine import SamplingParams
 from pipeline.engine.core.verify import SparseProbs
-from test_verify_exactness import reference_probs
+from references import reference_probs
 
 VOCAB, LENGTH, N, ALPHA = 8, 3, 30_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]

@@ -1,0 +1,28 @@
+"""Independent reference implementations the engine's tests compare against."""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.engine.core.request import SamplingParams
+
+
+def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Independent implementation: temperature -> top-k -> top-p -> min-p -> normalise."""
+    z = logits.astype(np.float64) / p.temperature
+    keep = np.ones_like(z, dtype=bool)
+    if p.top_k:
+        keep &= z >= np.sort(z)[::-1][p.top_k - 1]
+    probs = np.where(keep, np.exp(z - z.max()), 0.0)
+    probs /= probs.sum()
+    if p.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        drop = np.zeros_like(keep)
+        drop[order] = before >= p.top_p
+        probs = np.where(drop, 0.0, probs)
+        probs /= probs.sum()
+    if p.min_p > 0:
+        probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
+    return probs
+
