@@ -12,8 +12,8 @@ The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emi
 
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
 used for stop strings and output text. It reaches the drafter only through the Drafter protocol
-(drafters.py: the draft model's KV lengths and catch-up are the drafter's), and measures costs
-through adaptive.py.
+(drafting/: the draft model's KV lengths and catch-up are the drafter's), and measures costs
+through drafting/adaptive.py.
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ class SpecEngine:
                 self.scheduler.promote(seq)
 
     def _reuse_prefixes(self, admitted: list[Sequence]) -> None:
-        """New sequences copy the target KV of the longest prompt prefix a slot holds (prefix.py), in
+        """New sequences copy the target KV of the longest prompt prefix a slot holds (core/prefix.py), in
         admission order; one whose prefix an earlier sequence is still computing waits a step."""
         for seq in admitted:
             self.prefixes.admit(seq)

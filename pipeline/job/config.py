@@ -2,7 +2,7 @@
 
 YAML files in configs/ plus dotlist overrides (`engine.max_num_seqs=32`). Unknown keys and bad
 values fail here, before any model is loaded, naming the key. Each component receives only its own
-sub-config (models, engine, sampling, input, output, run).
+sub-config (models, drafting, engine, sampling, input, output, run).
 
 This module knows nothing about models, Ray or files beyond reading the YAML it is given.
 """

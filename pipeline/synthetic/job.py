@@ -1,7 +1,7 @@
 """The scheduled synthetic-data job: a seed set x templates x samples, generated once per time slot
 by the same driver, workers and writer as jobs/generate.py.
 
-The slot (pipeline/schedule.py) comes from `--slot` or the schedule's clock. For one slot:
+The slot (schedule.py) comes from `--slot` or the schedule's clock. For one slot:
 
 1. Expand (pure, no I/O): the seeds chosen for the slot (all, or `seeds_per_slot` picked by a hash
    of (slot, seed id)) x the templates that apply to each seed's kind x `samples` per template ->
@@ -30,7 +30,7 @@ The slot (pipeline/schedule.py) comes from `--slot` or the schedule's clock. For
    folder, run.run_id = `synthetic-<slot>` and input.passthrough_columns = slot, seed_id, template:
    every completions/rounds/errors row carries its slot. run_job's own run lease, plan guard,
    resume and manifest apply unchanged.
-5. Quality gate (pipeline/quality.py): `curated/` beside the run, then `summary.json`, then
+5. Quality gate (quality.py): `curated/` beside the run, then `summary.json`, then
    `_SUCCESS` in the slot folder, last. A slot is committed once its `_SUCCESS` exists; a later run
    for it, whatever its config, reads summary.json, changes nothing and exits 0 ("already committed
    by run ..."). An uncommitted slot started with another config or expansion is refused (exit 2).

@@ -1,19 +1,11 @@
-"""Drafters: propose up to g tokens per sequence. Proposers never verify.
+"""DraftModelDrafter: a small model sharing the target's tokenizer, over its own slot KV store.
 
-The engine talks to a drafter only through the `Drafter` protocol below; it never reads or writes a
-drafter's attributes. Implementations:
+Its per-sequence KV follows the committed history (rollback = a length); it owns those lengths and
+their catch-up (adaptive mode prefills a sequence only when it is about to draft). `sample_method`
+"greedy" proposes the draft's argmax (token only, one-hot q); "probabilistic" samples from q, processed
+as the target's p is, with the sequence's draft generator, and keeps q for verification.
 
-- DraftModelDrafter: a small model sharing the target's tokenizer, with its own slot KV store that
-  follows the committed history (rollback = a length). It owns its per-sequence KV lengths and
-  their catch-up. `sample_method` "greedy" proposes the draft's argmax (token only, one-hot q);
-  "probabilistic" samples from q with the sequence's draft generator and keeps q for verification.
-- NgramDrafter: prompt lookup over prompt + generated tokens (token only, free).
-- HybridDrafter: a free token-only drafter's proposal (n-gram, or suffix.py's SuffixDrafter) where
-  one exists, the draft model elsewhere.
-- NoDrafter: draft length 0, i.e. plain autoregressive decoding through the same engine.
-
-Every proposal is returned flat (DraftBatch): token ids of all sequences concatenated, with offsets.
-This module knows nothing about verification, stops or cost models.
+It knows nothing about verification, stops or cost models.
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Drafters: propose up to g tokens per sequence. Proposers never verify.
+"""NgramDrafter: prompt lookup. The longest suffix n-gram of a sequence's tokens (prompt + output) that
+occurred before proposes what followed it there; token only (one-hot q) and free.
 
-The engine talks to a drafter only through the `Drafter` protocol below; it never reads or writes a
-drafter's attributes. Implementations:
-
-- DraftModelDrafter: a small model sharing the target's tokenizer, with its own slot KV store that
-  follows the committed history (rollback = a length). It owns its per-sequence KV lengths and
-  their catch-up. `sample_method` "greedy" proposes the draft's argmax (token only, one-hot q);
-  "probabilistic" samples from q with the sequence's draft generator and keeps q for verification.
-- NgramDrafter: prompt lookup over prompt + generated tokens (token only, free).
-- HybridDrafter: a free token-only drafter's proposal (n-gram, or suffix.py's SuffixDrafter) where
-  one exists, the draft model elsewhere.
-- NoDrafter: draft length 0, i.e. plain autoregressive decoding through the same engine.
-
-Every proposal is returned flat (DraftBatch): token ids of all sequences concatenated, with offsets.
-This module knows nothing about verification, stops or cost models.
+It knows nothing about models, verification or the engine's loop.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ index's walk is taken again from the same node, each step now drawing a child in
 count (one uniform per step from the sequence's draft generator) and stopping by the same running
 top-share rule. The draft then comes with q: at each step, the counts normalised over the node's
 children. The verifier accepts y with probability min(1, p(y) / q(y)) and resamples from
-norm([p - q]+), exact for any q (verify.py), so this is lossless like a one-hot draft; it gains where
+norm([p - q]+), exact for any q (core/verify.py), so this is lossless like a one-hot draft; it gains where
 the target itself spreads over continuations the index has seen (several samples of one templated
 prompt): acceptance is then sum_y min(p(y), q(y)) instead of p(most frequent y). Greedy sequences
 keep the most-frequent walk, one-hot q.

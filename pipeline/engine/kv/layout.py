@@ -1,19 +1,12 @@
-"""Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
+"""StepLayout: where one forward's tokens go, and the padded path's masks.
 
-Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len,
-head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
-KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft positions is only a
-smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
-copied or re-padded per round.
+Tokens travel packed ([1, num_tokens]) through the model, so projections and MLPs never compute
+padding; attention unpacks them into rows. The layout holds, per row, its slot, the position of its
+first new token and its number of new tokens, as views of one buffer copied to the device once per
+forward. A kernel that reads each row's own keys (the runner's CPU kernel, FlexAttention's block
+tables) rides along as an opaque handle the runner sets.
 
-Hugging Face decoder models are routed through this store with transformers' documented extension
-points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
-function registered under ATTENTION_NAME that reads the per-sequence mask. Tokens travel packed
-([1, num_tokens]) through the model, so projections and MLPs never compute padding; only attention
-unpacks them into rows.
-
-This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
-(which slots, where each sequence starts, how many new tokens each has) before every forward.
+It knows nothing about requests, drafting, sampling or the kernels themselves.
 """
 from __future__ import annotations
 

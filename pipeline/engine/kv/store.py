@@ -1,4 +1,4 @@
-"""Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
+"""SlotKVCache: one preallocated KV store per model; rollback is a length.
 
 Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len,
 head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
@@ -6,14 +6,9 @@ KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft pos
 smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
 copied or re-padded per round.
 
-Hugging Face decoder models are routed through this store with transformers' documented extension
-points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
-function registered under ATTENTION_NAME that reads the per-sequence mask. Tokens travel packed
-([1, num_tokens]) through the model, so projections and MLPs never compute padding; only attention
-unpacks them into rows.
-
-This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
-(which slots, where each sequence starts, how many new tokens each has) before every forward.
+It is the `Cache` transformers' models write through (`update` at per-sequence positions, from the
+StepLayout set before each forward). It knows nothing about requests, drafting, sampling or which
+kernel attends.
 """
 from __future__ import annotations
 
@@ -57,7 +52,7 @@ class SlotKVCache(Cache):
         return 0
 
     def copy_positions(self, src: int, dst: int, n: int) -> None:
-        """KV positions [0, n) of slot `src` into slot `dst`, every layer (prefix reuse, prefix.py)."""
+        """KV positions [0, n) of slot `src` into slot `dst`, every layer (prefix reuse, core/prefix.py)."""
         for buf in (*self.keys, *self.values):
             buf[dst, :, :n].copy_(buf[src, :, :n])
 

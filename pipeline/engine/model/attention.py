@@ -1,19 +1,11 @@
-"""Slot KV cache: one preallocated store per model, a per-sequence length, rollback by moving it.
+"""The attention function transformers calls for a model routed through the slot store.
 
-Each model (target, draft) gets one buffer per layer of shape [num_slots, kv_heads, max_len,
-head_dim]. A running sequence owns one slot; its *computed* length (how many of its positions have
-KV) lives in the engine's bookkeeping, not here. Rolling back rejected draft positions is only a
-smaller length next round: the stale KV beyond it is masked out and later overwritten. Nothing is
-copied or re-padded per round.
+Registered under ATTENTION_NAME (transformers' documented AttentionInterface): with a StepLayout it
+attends each row over its own slot's keys, by the layout's kernel (our CPU kernel), FlexAttention's
+block tables, or torch's SDPA over rows padded to the longest (split in two when few rows have more
+than one new token); without one (e.g. HF `generate` on the same model) it falls through to SDPA.
 
-Hugging Face decoder models are routed through this store with transformers' documented extension
-points: a `Cache` subclass whose `update` writes at per-sequence positions, and an attention
-function registered under ATTENTION_NAME that reads the per-sequence mask. Tokens travel packed
-([1, num_tokens]) through the model, so projections and MLPs never compute padding; only attention
-unpacks them into rows.
-
-This module knows nothing about requests, drafting or sampling: the engine hands it a StepLayout
-(which slots, where each sequence starts, how many new tokens each has) before every forward.
+It knows nothing about requests, drafting or sampling.
 """
 from __future__ import annotations
 

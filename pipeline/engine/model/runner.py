@@ -155,7 +155,7 @@ class ModelRunner:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot `dst` gets slot `src`'s KV for positions [0, n): a shared prompt prefix, copied instead of
-        computed (prefix.py). Counts no forwarded token."""
+        computed (core/prefix.py). Counts no forwarded token."""
         self.cache.copy_positions(src, dst, n)
 
     @property

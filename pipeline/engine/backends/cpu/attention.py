@@ -8,7 +8,7 @@ kernel streams each row's own keys once per KV head for all the query heads that
 no mask and no padding, so a step costs what its rows' lengths cost. Measured on prompt prefill
 too (causal rows of 100-2000 tokens) it beat padded SDPA by 5-15%, so it takes every forward.
 
-It is built with the system C compiler the first time a runner asks for it (cpu_kernels.py: about
+It is built with the system C compiler the first time a runner asks for it (build.py: about
 a second, then cached per source, compiler and CPU) and checked against a torch reference before
 first use. Where any of that fails,
 `unavailable()` says why and the runner keeps torch's kernels.
@@ -16,7 +16,7 @@ first use. Where any of that fails,
 Scope: fp32 or bf16 stores (a bf16 model's: keys and values are widened to fp32 as they are read,
 the queries and the output converted around the call; the arithmetic is fp32 either way), head sizes
 that are multiples of 8 up to 256 (64 and 128 get unrolled loops). Elsewhere (CUDA, float16) the
-runner keeps torch's kernels (flex.py, kv_cache.py).
+runner keeps torch's kernels (backends/flex.py, model/attention.py).
 
 This module knows nothing about models or requests: it sees tensors and a row table.
 """

@@ -7,7 +7,7 @@ is the one loaded). The shared library is cached under SPECPIPE_KERNEL_CACHE (de
 a home directory shared by unlike machines gets one build per kind, and a source edit rebuilds.
 Concurrent workers may build the same file: the last atomic rename wins, with identical content.
 
-The kernels' modules (cpu_attention.py, cpu_linear.py) load the library with ctypes and check it
+The kernels' modules (attention.py, linear.py, fused.py) load the library with ctypes and check it
 against a torch reference before first use.
 """
 from __future__ import annotations

@@ -4,10 +4,10 @@
  * of one sum), the residual add before it, the SiLU-gated product of a gated MLP (fp32), and RoPE
  * with the slot store's KV write.
  *
- * Built by pipeline/engine/cpu_fused.py like the other kernels (system C compiler, -O3, the host's
+ * Built by pipeline/engine/backends/cpu/fused.py like the other kernels (system C compiler, -O3, the host's
  * vector instructions, OpenMP) and loaded with ctypes, with -ffp-contract=off: no product is fused
  * into a multiply-add, so RoPE's q*cos - q2*sin rounds where torch's ops round and the decoder loop
- * (cpu_decoder.py) computes the same numbers as the model's own modules. Portable C with GCC (>= 12)
+ * (decoder.py) computes the same numbers as the model's own modules. Portable C with GCC (>= 12)
  * / Clang vector extensions.
  *
  *   rms_norm_*     x, y [rows, dim], w [dim]:  y = w * (x / sqrt(mean(x^2) + eps))
@@ -18,7 +18,7 @@
  *   silu_mul_f32   gu [rows, 2 * inter] (gate, then up), y [rows, inter]:  y = silu(gate) * up
  *                  (silu(x) = x / (1 + e^-x)). fp32 only: a bf16 version (widen, silu, round, multiply,
  *                  round) measured 2.7 ms on [2048 x 2 * 1536] here against torch's 1.85 for its two
- *                  passes, so bf16 MLPs keep their modules (cpu_fused.py).
+ *                  passes, so bf16 MLPs keep their modules (fused.py).
  *   rope_store_*   the packed new tokens' q, k, v ([tokens, heads * dim] each, any row stride), cos and
  *                  sin [tokens, dim] (the model's rotary embedding at each token's position), the step's
  *                  row table [4, rows] (slot, start, num_new, first packed token): q_out [tokens, heads,

@@ -1,6 +1,6 @@
 /* y = x W^T + b for CPUs, fp32, with W stored once in 16-output panels.
  *
- * Built by pipeline/engine/cpu_kernels.py like slot_attention.c (system C compiler, -O3, the host's
+ * Built by pipeline/engine/backends/cpu/build.py like slot_attention.c (system C compiler, -O3, the host's
  * vector instructions, OpenMP) and loaded with ctypes. Portable C with GCC (>= 12) / Clang vector
  * extensions: no intrinsics.
  *

@@ -1,7 +1,7 @@
 /* y = x W^T + b for CPUs with bf16 dot-product instructions (AVX512-BF16), bf16 in and out.
  *
- * The bf16 twin of panel_linear.c, built and loaded the same way (pipeline/engine/cpu_kernels.py,
- * cpu_linear.py). It exists where `models.dtype: auto` picks bf16 on a CPU (avx512_bf16, which AMX
+ * The bf16 twin of panel_linear.c, built and loaded the same way (pipeline/engine/backends/cpu/build.py,
+ * linear.py). It exists where `models.dtype: auto` picks bf16 on a CPU (avx512_bf16, which AMX
  * CPUs have too): without it such a CPU ran bf16 through oneDNN's packed linears. Unlike the fp32
  * kernel it needs intrinsics: VDPBF16PS (two bf16 products summed into each fp32 lane) has no
  * portable spelling. On a CPU without it the build fails with the #error below, and the runner keeps

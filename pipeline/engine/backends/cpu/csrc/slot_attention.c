@@ -2,7 +2,7 @@
  * the store is fp32 (slot_attention_f32) or bf16 (slot_attention_bf16kv: keys and values widened
  * to fp32 as they are loaded, exactly, so a bf16 model's store is read at half the bytes).
  *
- * Built by pipeline/engine/cpu_attention.py with the system C compiler (-O3, the host's vector
+ * Built by pipeline/engine/backends/cpu/attention.py with the system C compiler (-O3, the host's vector
  * instructions, OpenMP) the first time a runner needs it, and loaded with ctypes. Portable C with
  * GCC (>= 12) / Clang vector extensions: no intrinsics, so the same source builds for AVX2, AVX-512
  * and NEON.

@@ -1,6 +1,6 @@
 /* Vector helpers shared by our C kernels (slot_attention.c, fused_ops.c, panel_linear.c): portable GCC (>= 12) /
  * Clang vector extensions, eight fp32 lanes. Included by each kernel's single source file; the
- * build's cache key covers this header too (cpu_kernels.py). */
+ * build's cache key covers this header too (build.py). */
 #ifndef SPECPIPE_VMATH_H
 #define SPECPIPE_VMATH_H
 
