@@ -1,4 +1,4 @@
-"""Prompt-prefix reuse (pipeline/engine/prefix.py): a new prompt copies the target KV of the longest
+"""Prompt-prefix reuse (pipeline/engine/core/prefix.py): a new prompt copies the target KV of the longest
 prefix a slot holds instead of computing it. The index on its own (torch-free), then the engine on
 prompts built to share prefixes (a common "system prompt", repeated prompts, a prompt that extends
 another), checked against Hugging Face greedy decoding and against the engine with reuse off."""

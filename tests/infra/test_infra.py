@@ -343,7 +343,7 @@ def test_kuberay_operator_rules(kind):
         assert not spec["authOptions"].get("enableK8sTokenAuth")     # unsupported for RayJob
     if obj["kind"] == "RayCronJob":
         # ValidateRayCronJobSpec: no TZ= in the schedule (timeZone instead), robfig/cron's standard
-        # syntax (5 fields or @descriptors, which pipeline/schedule.py reads the same), a time zone.
+        # syntax (5 fields or @descriptors, which pipeline/synthetic/schedule.py reads the same), a time zone.
         assert "TZ" not in obj["spec"]["schedule"] and obj["spec"].get("timeZone")
         assert len(obj["spec"]["schedule"].split()) == 5 or obj["spec"]["schedule"].startswith("@")
     if obj["kind"] in JOB_KINDS:

@@ -1,6 +1,6 @@
-"""Our CPU attention kernel (pipeline/engine/cpu_attention.py, csrc/slot_attention.c): against the
+"""Our CPU attention kernel (pipeline/engine/backends/cpu/attention.py, csrc/slot_attention.c): against the
 plain-torch reference on ragged rows, through the runner against torch's padded SDPA, and the
-engine.cpu_attention modes. Its build cache: test_cpu_kernels.py. (The greedy-identity,
+cpu_attention switch. Its build cache: test_cpu_kernels.py. (The greedy-identity,
 KV-invariant and chi-square tests run the engine on it too.)"""
 import copy
 

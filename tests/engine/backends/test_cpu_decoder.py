@@ -1,4 +1,4 @@
-"""The forward as one loop over our CPU kernels (pipeline/engine/cpu_decoder.py, engine.cpu_decoder):
+"""The forward as one loop over our CPU kernels (pipeline/engine/backends/cpu/decoder.py, the cpu_decoder switch):
 bitwise the logits and the slot store of the same runner on the model's own modules, for each family
 it takes (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms, Mistral), fp32 and bf16,
 over ragged rows, non-contiguous slots, prefill chunks, verify steps and rollbacks; q/k/v merged into

@@ -1,6 +1,6 @@
-"""The fused CPU ops (pipeline/engine/cpu_fused.py, csrc/fused_ops.c): RMSNorm and silu(gate) * up
+"""The fused CPU ops (pipeline/engine/backends/cpu/fused.py, csrc/fused_ops.c): RMSNorm and silu(gate) * up
 against transformers' own modules in fp32 and bf16, the module swap (which modules, what they
-compute), the runner's engine.cpu_fused modes, and the self-check catching a wrong kernel. The
+compute), the runner's cpu_fused switch, and the self-check catching a wrong kernel. The
 engine's greedy identity with HF generate runs on them too (test_greedy_identity.py and the rest
 use the default, auto)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Our C kernels' build (pipeline/engine/cpu_kernels.py) and the panel linear kernel
-(pipeline/engine/cpu_linear.py, csrc/panel_linear.c): against float64 F.linear over every tile
+"""Our C kernels' build (pipeline/engine/backends/cpu/build.py) and the panel linear kernel
+(pipeline/engine/backends/cpu/linear.py, csrc/panel_linear.c): against float64 F.linear over every tile
 shape, through the runner against torch's linears, the engine's greedy output through it against
-Hugging Face generate, and the engine.cpu_linear modes. (The greedy-identity, KV-invariant and
+Hugging Face generate, and the cpu_linear switch. (The greedy-identity, KV-invariant and
 chi-square tests run the engine on it too: it is the default on CPU fp32.)"""
 import copy
 import ctypes

@@ -1,4 +1,4 @@
-"""oneDNN-packed linears (pipeline/engine/cpu_linear.py, where our panel kernel is off or cannot be
+"""oneDNN-packed linears (pipeline/engine/backends/cpu/linear.py, where our panel kernel is off or cannot be
 built): same function as nn.Linear, swapped in by the runner on CPU unless disabled, and the
 engine's greedy output through them, and through our panel kernel, equals plain Hugging Face
 decoding of the unpacked model. The panel kernel itself: test_cpu_kernels.py."""

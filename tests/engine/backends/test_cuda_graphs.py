@@ -1,4 +1,4 @@
-"""The CUDA-graph path's padded, bucketed forward (pipeline/engine/cuda_graphs.py), on CPU without the
+"""The CUDA-graph path's padded, bucketed forward (pipeline/engine/backends/cuda/graphs.py), on CPU without the
 capture: what a captured graph computes is this forward on its static buffers, so buckets, pad tokens,
 pad rows, the spare slot, the mask over the keys bucket and the logits' gather are all checked here.
 The capture's self-check runs here over stand-in runtimes (a faithful replay, one that writes nothing,

@@ -1,4 +1,4 @@
-"""The compiled FlexAttention path (pipeline/engine/flex.py): block tables against a dense mask, the
+"""The compiled FlexAttention path (pipeline/engine/backends/flex.py): block tables against a dense mask, the
 kernel against masked SDPA, the per-step kernel choice, and the compile modes."""
 import copy
 
