@@ -36,10 +36,17 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.engine import DraftingConfig, EngineConfig, NgramDrafter, SamplingParams, SpecEngine
+from pipeline.engine import (
+    DraftingConfig,
+    EngineConfig,
+    NgramDrafter,
+    SamplingParams,
+    SpecEngine,
+)
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
-from pipeline.loading.models import DTYPES, ModelSpec, load_model
 from pipeline.engine.model.runner import build_runner
+from pipeline.engine.model.slots import slot_bytes
+from pipeline.loading.models import DTYPES, ModelSpec, load_model
 
 H200_HBM_BYTES_PER_S = 4.8e12
 SHAPES = {   # name -> (model class, config); random-init, the real models' shapes
@@ -97,10 +104,7 @@ def weight_bytes_per_step(model) -> int:
 
 def kv_bytes_per_token(model) -> int:
     """KV bytes one cached position holds over all layers (K and V)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    return slot_bytes(model, 1)
 
 
 def floor(weight_bytes: int, kv_per_token: int, seqs_per_step: float, mean_context: float,

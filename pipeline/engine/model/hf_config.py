@@ -6,6 +6,16 @@ It knows nothing about files, loading or the slot store.
 from __future__ import annotations
 
 
+def text_config(config):
+    """The decoder's own config (a multimodal model's text part; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_dim(config) -> int:
+    """Size of one attention head: `head_dim` where the config sets it, else hidden size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def active_sliding_window(config) -> int | None:
     """The sliding window some attention layer really applies, or None.
 

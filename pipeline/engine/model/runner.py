@@ -23,7 +23,7 @@ from ..config import AUTO, EngineConfig
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
-from .hf_config import active_sliding_window
+from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
 from .slots import choose_max_num_seqs
 
@@ -34,10 +34,6 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 class ModelRunner:
     """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py chooses) of
     `config.max_model_len` positions; the kernels come from the backend plan (plan.py): `kernels`
@@ -46,8 +42,8 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None):
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
-        cfg = _text_config(model.config)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg = text_config(model.config)
+        head_size = head_dim(cfg)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -58,7 +54,7 @@ class ModelRunner:
         if config.max_num_seqs == AUTO:
             config = replace(config, max_num_seqs=choose_max_num_seqs([model], max_model_len)[0])
         self.num_slots = num_slots = config.max_num_seqs
-        chosen = choose_backends(config, kernels, self.device, self.dtype, head_dim)
+        chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
         # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
         self.flex, self.cpu_attention = chosen.flex, chosen.attention
@@ -67,7 +63,7 @@ class ModelRunner:
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
         self.cache = SlotKVCache(cfg.num_hidden_layers, store_slots, cfg.num_key_value_heads,
                                  capacity(store_len) if self.flex else store_len,
-                                 head_dim, self.dtype, self.device)
+                                 head_size, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
         self._apply(model, chosen, kernels)

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from .hf_config import head_dim, text_config
+
 BEST = {"cpu": 64, "cuda": 256}        # running sequences the device is measured / expected to run best at
 MEMORY_SHARE = {"cpu": 0.25, "cuda": 0.5}   # of the memory free now, for the KV stores
 
@@ -25,10 +27,9 @@ def most_max_num_seqs(max_num_seqs, device: str) -> int:
 
 def slot_bytes(model, max_model_len: int) -> int:
     """KV bytes one slot of `model` needs: keys and values of every layer at max_model_len positions."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cfg = text_config(model.config)
     itemsize = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_model_len * head_dim * itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_model_len * head_dim(cfg) * itemsize
 
 
 def free_memory(device: torch.device) -> int:
