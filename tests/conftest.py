@@ -102,7 +102,8 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
 
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
-                cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto"):
+                cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
+                forced_tokens=True):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: our panel kernel
@@ -121,7 +122,8 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
                                    cuda_graphs=cuda_graphs),
                       drafter, cfg, list(eos), decode,
-                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive))
+                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive, forced_tokens=forced_tokens),
+                      grammars=grammars)
 
 
 def run_requests(engine, prompts, params, arrive_every: int = 0, seeds=None, ids=None):

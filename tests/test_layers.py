@@ -19,6 +19,7 @@ LAYERS = [                                     # ground floor first
     ["pipeline.errors"],
     ["pipeline.engine.config"],
     ["pipeline.engine.core"],
+    ["pipeline.engine.grammar"],
     ["pipeline.engine.kv"],
     ["pipeline.engine.backends"],
     ["pipeline.engine.model"],
@@ -33,6 +34,7 @@ LAYERS = [                                     # ground floor first
     ["pipeline.cli", "pipeline"],
 ]
 TORCH_FREE = ["pipeline.engine.core.request", "pipeline.engine.core.scheduler", "pipeline.engine.core.prefix",
+              "pipeline.engine.core.response_format",
               "pipeline.engine.config", "pipeline.errors"]
 
 

@@ -95,9 +95,13 @@ class DraftingConfig:
     ngram_min: int = 2                       # shortest suffix n-gram looked up
     ngram_max: int = 4                       # longest suffix n-gram looked up
     suffix: SuffixParams = field(default_factory=SuffixParams)   # method suffix (or hybrid's first part)
+    forced_tokens: bool = True               # rows with a response_format: propose the tokens their grammar
+                                             # forces as drafts at no draft cost (any method, none included)
 
     def __post_init__(self):
         one_of("drafting.method", self.method, DRAFTER_KINDS)
+        if not isinstance(self.forced_tokens, bool):
+            raise ConfigError(f"drafting.forced_tokens: expected true or false, got {self.forced_tokens!r}")
         one_of("drafting.hybrid_proposer", self.hybrid_proposer, HYBRID_PROPOSERS)
         one_of("drafting.draft_sample_method", self.draft_sample_method, SAMPLE_METHODS)
         _int_at_least("drafting.num_speculative_tokens", self.num_speculative_tokens, 0)

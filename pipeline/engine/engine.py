@@ -7,8 +7,15 @@ Glossary (used throughout the engine):
   bonus     the token drawn from p_{g+1} when all g draft tokens were accepted
   committed in the output; nothing past a stop is ever committed
   computed  has KV in a model's slot store; the target always lags the committed tokens by one
+  forced    a token a row's grammar (response_format) admits as the only continuation, proposed
+            ahead of or after the drafter's own at no draft cost (drafting/guided.py)
+  mask      the tokens a row's grammar allows at a position; p and q are masked and renormalised
+            (core/sampling.py), so the output is distributed as the target restricted to the grammar
 
-The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished.
+The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. Rows
+with a response_format also walk their grammar through the round's proposal (grammar/walk.py):
+each position's mask is computed once, used by the drafter and the verifier, and the walk is
+settled back to the committed tokens at commit (undoing only the rejected ones).
 
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
 used for stop strings and output text. It reaches the drafter only through the Drafter protocol
@@ -33,6 +40,9 @@ from .core.scheduler import Scheduler
 from .core.verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
+from .drafting.guided import GuidedDraft, propose_guided
+from .grammar.library import Grammars
+from .grammar.walk import RoundWalk
 from .model.prefill import forward_history
 from .model.runner import ModelRunner
 
@@ -49,6 +59,8 @@ class RoundRecord:
     draft_s: float                   # the step's draft phase, seconds
     verify_s: float                  # the step's verify phase (target forward + verification)
     step: int = 0                    # engine step index (rounds of one step share it)
+    forced: int = 0                  # of draft_len: forced by the row's grammar, not drafted
+    forced_accepted: int = 0         # of accepted: forced ones
 
 
 @dataclass
@@ -63,6 +75,10 @@ class Completion:
     num_draft_tokens: int
     num_accepted: int
     prompt_tokens_reused: int = 0    # prompt positions whose KV was copied from a slot (prefix reuse)
+    response_format: str | None = None   # the row's constraint (canonical JSON) or None
+    valid: bool | None = None        # constrained rows: the grammar ended the output (EOS or a stop
+                                     # where it accepts); False when max_tokens or the context ran out
+    num_forced: int = 0              # committed tokens that were forced by the grammar
 
 
 @dataclass
@@ -92,7 +108,7 @@ class SpecEngine:
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, config: EngineConfig | None = None,
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None,
-                 drafting: DraftingConfig | None = None):
+                 drafting: DraftingConfig | None = None, grammars: Grammars | None = None):
         config = config or EngineConfig()
         if config.max_num_seqs == AUTO:
             config = replace(config, max_num_seqs=target.num_slots)
@@ -113,6 +129,10 @@ class SpecEngine:
                              f"target's ({target.vocab_size}): drafts must share the target's tokenizer")
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
+        self.grammars = grammars             # compiles response_format (None: requests may not have one)
+        if grammars is not None and grammars.vocab_size != target.vocab_size:
+            raise ValueError(f"grammar masks cover {grammars.vocab_size} tokens, the target's logits "
+                             f"{target.vocab_size}")
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.costs = CostModel()
         self.policy = AdaptiveDraftLength(self.drafting.num_speculative_tokens, self.costs,
@@ -129,6 +149,12 @@ class SpecEngine:
         params = params or SamplingParams()
         self._validate(request_id, prompt_ids, params)
         seq = Sequence(str(request_id), [int(t) for t in prompt_ids], params, int(seed))
+        fmt = params.constraint
+        if fmt is not None:
+            if self.grammars is None:
+                raise RequestError("response_format", "this engine has no grammar support (no tokenizer "
+                                                      "given); expected no response_format", "bad_response_format")
+            seq.guide = self.grammars.guide(fmt)       # RequestError when it does not compile
         seq.rng = seq_generators(seq.seed, seq.request_id)
         self._ids.add(seq.request_id)
         self.scheduler.add(seq)
@@ -178,12 +204,13 @@ class SpecEngine:
         batch = list(self.scheduler.running)
         if not batch:
             return StepOutput()
-        drafts, draft_s, catch_up_s = self._draft(batch)
-        out, verify_s = self._verify(batch, drafts)
-        self.costs.observe(batch_size=len(batch), num_draft=sum(drafts.num_draft), draft_s=draft_s - catch_up_s,
+        guided, walk, draft_s, catch_up_s = self._draft(batch)
+        drafts = guided.drafts
+        out, verify_s = self._verify(batch, drafts, walk)
+        self.costs.observe(batch_size=len(batch), num_draft=sum(guided.num_own), draft_s=draft_s - catch_up_s,
                            target_tokens=len(batch) + sum(drafts.num_draft), verify_s=verify_s,
-                           draft_steps=max(drafts.num_draft))
-        rounds = self._commit(batch, drafts, out, draft_s, verify_s)
+                           draft_steps=max(guided.num_own))
+        rounds = self._commit(batch, guided, walk, out, draft_s, verify_s)
         finished = self._emit(batch)
         self.num_steps += 1
         return StepOutput(finished, rounds)
@@ -236,9 +263,11 @@ class SpecEngine:
                 seq.num_computed = seq.num_prefix_reused = reuse.num_tokens
                 self.drafter.reuse_prefix(seq, reuse)
 
-    def _draft(self, batch: list[Sequence]) -> tuple[DraftBatch, float, float]:
-        """Draft lengths, the lazy draft catch-up, the proposal. Returns the drafts, the phase's
-        seconds and the catch-up's share of them (kept out of the draft cost model)."""
+    def _draft(self, batch: list[Sequence]) -> tuple[GuidedDraft, RoundWalk | None, float, float]:
+        """Draft lengths, the lazy draft catch-up, the proposal (with forced tokens and grammar cuts
+        where rows are constrained). Returns the drafts, the round's grammar walk (None: no row is
+        constrained), the phase's seconds and the catch-up's share of them (kept out of the draft
+        cost model)."""
         t0 = time.perf_counter()
         lengths, catch_up_s = self._draft_lengths(batch), 0.0
         if self._lazy_draft:
@@ -247,18 +276,32 @@ class SpecEngine:
             catch_up_s = time.perf_counter() - t_catch_up if num_prefilled else 0.0
         # No device sync here: a model drafter reads its tokens back per draft step anyway, and the
         # verify phase's time runs to the step's one readback (_verify).
-        drafts = self.drafter.propose(batch, lengths, [s.rng.draft for s in batch]).to(self.target.device)
-        return drafts, time.perf_counter() - t0, catch_up_s
+        generators = [s.rng.draft for s in batch]
+        walk = None
+        if any(s.guide is not None for s in batch):
+            walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
+            guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch], generators,
+                                    walk, self.drafting.forced_tokens)
+        else:
+            found = self.drafter.propose(batch, lengths, generators)
+            zeros = [0] * len(batch)
+            guided = GuidedDraft(found, zeros, list(found.num_draft), zeros)
+        guided.drafts = guided.drafts.to(self.target.device)
+        return guided, walk, time.perf_counter() - t0, catch_up_s
+
+    def _room(self, s: Sequence) -> int:
+        """Proposal tokens at most: the round's committed tokens stay within max_tokens and the context."""
+        return max(0, min(s.params.max_tokens - len(s.output_ids) - 1, self.config.max_model_len - s.num_tokens - 1))
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
-        cfg, drafting = self.config, self.drafting
+        drafting = self.drafting
         wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch]) if drafting.adaptive
                   else [drafting.num_speculative_tokens] * len(batch))
-        return [max(0, min(g, s.params.max_tokens - len(s.output_ids) - 1,
-                           cfg.max_model_len - s.num_tokens - 1)) for g, s in zip(wanted, batch)]
+        return [max(0, min(g, self._room(s))) for g, s in zip(wanted, batch)]
 
-    def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> tuple[HostVerifyOutput, float]:
+    def _verify(self, batch: list[Sequence], drafts: DraftBatch,
+                walk: RoundWalk | None = None) -> tuple[HostVerifyOutput, float]:
         """One target forward over [last committed token, drafts] of every sequence, then the rule,
         then the step's one device-to-host readback. Returns the verifier's output (host lists) and
         the phase's seconds."""
@@ -267,19 +310,21 @@ class SpecEngine:
         logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
         for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
             s.num_computed += len(toks)
-        out = self._verify_rule(batch, drafts, logits, inputs).to_host()
+        allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
+        out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
         return out, time.perf_counter() - t0
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
-                     inputs: list[list[int]]) -> VerifyOutput:
+                     inputs: list[list[int]], allowed: torch.Tensor | None = None) -> VerifyOutput:
         """Greedy rule, or rejection sampling with each sequence's verify uniforms, on p processed per
-        row on that row's own prefix (the round's inputs before it)."""
+        row on that row's own prefix (the round's inputs before it), masked by `allowed` (the rows'
+        grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
         if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
             return verify_greedy(drafts.draft_ids, drafts.cu_num_draft,
-                                 row_probs(logits, row_seqs, prefixes, argmax_only=True))
-        p = row_probs(logits, row_seqs, prefixes)                        # [num_draft + num_seqs, vocab]
+                                 row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed))
+        p = row_probs(logits, row_seqs, prefixes, allowed=allowed)      # [num_draft + num_seqs, vocab]
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
         is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
         return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
@@ -294,20 +339,27 @@ class SpecEngine:
             sample.append(u[g:])
         return torch.cat(accept).to(device), torch.cat(sample).to(device)
 
-    def _commit(self, batch: list[Sequence], drafts: DraftBatch, out: HostVerifyOutput, draft_s: float,
-                verify_s: float) -> list[RoundRecord]:
+    def _commit(self, batch: list[Sequence], guided: GuidedDraft, walk: RoundWalk | None, out: HostVerifyOutput,
+                draft_s: float, verify_s: float) -> list[RoundRecord]:
         """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back (the
-        target's here, the drafter's in on_commit). Returns the round records."""
-        rounds = []
+        target's here, the drafter's in on_commit) and grammar walks to the committed tokens.
+        Returns the round records."""
+        rounds, drafts = [], guided.drafts
         is_accepted, cu = out.is_accepted, [0, *itertools.accumulate(drafts.num_draft)]
         for b, seq in enumerate(batch):
             g, k = drafts.num_draft[b], out.num_accepted[b]
-            emitted = seq.commit(out.output_ids[b][:k + 1], self.eos_token_ids, self.config.max_model_len,
-                                 self.decode)
+            tokens = out.output_ids[b][:k + 1]
+            may_stop = walk.settle(b, k, tokens[-1]) if seq.guide is not None else None
+            emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
-            self.policy.update(seq, g, k)
-            rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, is_accepted[cu[b]:cu[b + 1]],
-                                      len(batch), draft_s, verify_s, self.num_steps))
+            mask = is_accepted[cu[b]:cu[b + 1]]
+            ahead, own = guided.num_ahead[b], guided.num_own[b]
+            forced_rows = [i for i in range(g) if i < ahead or i >= ahead + own]
+            forced_accepted = sum(1 for i in forced_rows if i < min(k, emitted))
+            self.policy.update(seq, own, max(0, min(k - ahead, own)))
+            seq.num_forced += forced_accepted
+            rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,
+                                      verify_s, self.num_steps, len(forced_rows), forced_accepted))
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k
@@ -318,6 +370,7 @@ class SpecEngine:
         """Free the slots of finished sequences (in the scheduler and the drafter); their completions."""
         finished = [seq for seq in batch if seq.is_finished]
         for seq in finished:
+            seq.guide = None                   # the grammar state goes with the slot
             self.scheduler.release(seq)
             self.drafter.release(seq)
             if self.prefixes is not None:
@@ -329,8 +382,11 @@ class SpecEngine:
         text = seq.text
         if text is None and self.decode is not None:
             text = self.decode(seq.output_ids)
+        constrained = seq.params.response_format is not None
         return Completion(seq.request_id, len(seq.prompt_ids), list(seq.output_ids), text, seq.finish_reason,
-                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted, seq.num_prefix_reused)
+                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted, seq.num_prefix_reused,
+                          seq.params.response_format,
+                          seq.finish_reason in ("eos", "stop") if constrained else None, seq.num_forced)
 
     def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
         """Step until every queued request is finished; returns completions in finishing order."""

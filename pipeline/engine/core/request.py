@@ -14,8 +14,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from typing import Sequence as Seq
+
+from .response_format import FormatError, ResponseFormat, parse_response_format
 
 FINISH_REASONS = ("stop", "eos", "length", "context")
 
@@ -43,6 +45,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()          # stop strings; the output text is cut before them
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the sequence
     ignore_eos: bool = False            # keep generating past EOS
+    response_format: Any = None         # constrain the output (response_format.py): a dict or its JSON
+                                        # text; kept as canonical JSON text
 
     def __post_init__(self):
         _check(self.max_tokens, "max_tokens", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1)
@@ -58,6 +62,19 @@ class SamplingParams:
                lambda v: all(isinstance(s, str) and s for s in v))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        try:
+            fmt = parse_response_format(self.response_format)
+        except FormatError as e:
+            raise RequestError("response_format", str(e), "bad_response_format") from None
+        object.__setattr__(self, "response_format", None if fmt is None else fmt.to_json())
+        if fmt is not None and self.ignore_eos:
+            raise RequestError("ignore_eos", "cannot be combined with response_format: the grammar ends "
+                                             "the output with EOS", "bad_sampling")
+
+    @property
+    def constraint(self) -> ResponseFormat | None:
+        """The parsed response_format (None: free text)."""
+        return parse_response_format(self.response_format)
 
     @property
     def is_greedy(self) -> bool:
@@ -109,8 +126,11 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     num_prefix_reused: int = 0       # prompt positions whose target KV was copied, not computed (prefix.py)
+    num_forced: int = 0              # committed tokens forced by the grammar (response_format)
     rng: object = None               # engine-owned per-sequence generators
+    guide: object = None             # engine-owned grammar state when params.response_format is set
     _stop_scan_from: int = 0         # stop-string search resumes here (chars)
+    _stop_barrier: int = 0           # a stop string must end past this char (its grammar accepted there)
 
     @property
     def num_tokens(self) -> int:
@@ -125,24 +145,30 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     def commit(self, tokens: Seq[int], eos_ids: Seq[int], max_model_len: int,
-               decode: Callable[[list[int]], str] | None = None) -> int:
+               decode: Callable[[list[int]], str] | None = None, may_stop: Seq[bool] | None = None) -> int:
         """Append tokens one at a time, stopping at the first stop condition. Returns how many were
-        committed; sets status/finish_reason when the sequence ends."""
+        committed; sets status/finish_reason when the sequence ends. may_stop[i] (a grammar's
+        verdict after tokens[i]: it accepts there) gates stop strings and stop token ids; EOS needs
+        no gate (a grammar allows it only where it accepts)."""
         for n, tok in enumerate(tokens, start=1):
             self.output_ids.append(int(tok))
-            reason = self._stop_reason(int(tok), eos_ids, max_model_len, decode)
+            reason = self._stop_reason(int(tok), eos_ids, max_model_len, decode,
+                                       True if may_stop is None else may_stop[n - 1])
             if reason is not None:
                 self.finish(reason)
                 return n
         return len(tokens)
 
-    def _stop_reason(self, tok: int, eos_ids, max_model_len: int, decode) -> str | None:
-        if tok in self.params.stop_token_ids:
+    def _stop_reason(self, tok: int, eos_ids, max_model_len: int, decode, may_stop: bool) -> str | None:
+        if may_stop and tok in self.params.stop_token_ids:
             return "stop"
         if tok in eos_ids and not self.params.ignore_eos:
             return "eos"
-        if self.params.stop and decode is not None and self._hit_stop_string(decode):
-            return "stop"
+        if self.params.stop and decode is not None:
+            if may_stop and self._hit_stop_string(decode):
+                return "stop"
+            if not may_stop:               # no stop string may end here or before
+                self._stop_barrier = len(decode(self.output_ids))
         if len(self.output_ids) >= self.params.max_tokens:
             return "length"
         if self.num_tokens >= max_model_len:
@@ -152,7 +178,8 @@ class Sequence:
     def _hit_stop_string(self, decode: Callable[[list[int]], str]) -> bool:
         text = decode(self.output_ids)
         start = self._stop_scan_from
-        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self._stop_barrier - len(s) + 1)) for s in self.params.stop)
+                if i >= 0]
         if hits:
             self.text = text[:min(hits)]
             return True

@@ -1,8 +1,10 @@
 """From raw logits to the distributions actually sampled from: pure tensor functions.
 
 The same function produces the target's p and the draft's q, row by row, so both are processed
-identically (the precondition of lossless verification). Order, as in Hugging Face `generate`:
-penalties on raw logits -> temperature -> top-k -> top-p -> min-p -> softmax.
+identically (the precondition of lossless verification). Order, as in Hugging Face `generate` with
+a grammar's logits processor first: penalties on raw logits -> grammar mask (forbidden tokens to
+-inf) -> temperature -> top-k -> top-p -> min-p -> softmax. The filters thus act on the masked
+distribution: top-k keeps the k most likely *allowed* tokens.
 
 Penalties (vLLM semantics): repetition over prompt + output tokens (divide positive logits, multiply
 negative ones), presence and frequency over output tokens only. History-dependent quantities are
@@ -100,21 +102,28 @@ def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return logits
 
 
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Forbidden tokens (allowed [rows, vocab] False) to -inf."""
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+
+
 def greedy_tokens(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
-                  prompt_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows] argmax of the penalised logits: what greedy rows of processed_probs are one-hot on."""
+                  prompt_counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] argmax of the penalised, masked logits: what greedy rows of processed_probs are one-hot on."""
     logits = logits.float()
     if rp.has_penalties:
         logits = apply_penalties(logits, rp, output_counts, prompt_counts)
-    return logits.argmax(dim=-1)
+    return _masked(logits, allowed).argmax(dim=-1)
 
 
 def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
-                    prompt_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [rows, vocab] (any float dtype) -> probabilities [rows, vocab] float32."""
+                    prompt_counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, vocab] (any float dtype) -> probabilities [rows, vocab] float32. `allowed`
+    [rows, vocab] bool: a grammar's mask (None: every token allowed)."""
     logits = logits.float()
     if rp.has_penalties:
         logits = apply_penalties(logits, rp, output_counts, prompt_counts)
+    logits = _masked(logits, allowed)
     greedy_choice = logits.argmax(dim=-1) if rp.any_greedy else None      # [rows]
     temp = torch.where(rp.is_greedy, torch.ones_like(rp.temperature), rp.temperature)
     logits = logits / temp.unsqueeze(1)
@@ -136,9 +145,9 @@ def penalty_counts(seqs: list[Sequence], extra: list[list[int]], vocab: int,
 
 
 def row_probs(logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
-              argmax_only: bool = False) -> torch.Tensor:
+              argmax_only: bool = False, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Processed distributions for rows (seqs[r] with candidate suffix extra[r]): [rows, vocab];
-    with argmax_only, just their greedy choice: [rows]."""
+    with argmax_only, just their greedy choice: [rows]. `allowed`: the rows' grammar masks."""
     rp = RowParams.from_params([s.params for s in seqs], logits.device)
     counts = penalty_counts(seqs, extra, logits.shape[-1], logits.device) if rp.has_penalties else (None, None)
-    return (greedy_tokens if argmax_only else processed_probs)(logits, rp, *counts)
+    return (greedy_tokens if argmax_only else processed_probs)(logits, rp, *counts, allowed=allowed)

@@ -19,6 +19,7 @@ import torch
 from ..core.prefix import Reuse
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
+from ..grammar.walk import GuideView
 from ..model.prefill import Chunk
 from ..model.runner import ModelRunner
 
@@ -46,6 +47,50 @@ class DraftBatch:
 
     def tokens(self, b: int) -> list[int]:
         return self.proposals[b]
+
+    def spliced(self, ahead: list[list[int]], keep: list[int], trailing: list[list[int]]) -> "DraftBatch":
+        """Sequence b's proposal becomes ahead[b] + its first keep[b] tokens + trailing[b]; the
+        added tokens are one-hot rows of q (None stays None: every row one-hot)."""
+        device = self.draft_ids.device
+        proposals = [a + p[:k] + t for a, p, k, t in zip(ahead, self.proposals, keep, trailing)]
+        out = DraftBatch.from_lists(proposals, device)
+        if self.draft_probs is None:
+            return out
+        old_cu = [0, *np.cumsum(self.num_draft).tolist()]
+        new_cu = out.cu_num_draft.tolist()
+        src = [old_cu[b] + i for b, k in enumerate(keep) for i in range(k)]          # kept rows, old index
+        dst = [new_cu[b] + len(ahead[b]) + i for b, k in enumerate(keep) for i in range(k)]
+        added = [new_cu[b] + i for b, a in enumerate(ahead) for i in range(len(a))] + \
+                [new_cu[b] + len(ahead[b]) + keep[b] + i for b, t in enumerate(trailing) for i in range(len(t))]
+        added_t = torch.tensor(added, dtype=torch.long, device=device)
+        if isinstance(self.draft_probs, SparseProbs):
+            q = self.draft_probs
+            where = torch.full((len(self.draft_ids),), -1, dtype=torch.long, device=device)
+            where[torch.tensor(src, dtype=torch.long, device=device)] = torch.tensor(dst, dtype=torch.long,
+                                                                                    device=device)
+            moved = where[q.row]
+            hit = moved >= 0
+            out.draft_probs = SparseProbs(torch.cat([moved[hit], added_t]),
+                                          torch.cat([q.token[hit], out.draft_ids[added_t]]),
+                                          torch.cat([q.prob[hit], torch.ones(len(added), dtype=q.prob.dtype,
+                                                                             device=device)]))
+            return out
+        dense = torch.zeros(len(out.draft_ids), self.draft_probs.shape[-1], dtype=self.draft_probs.dtype,
+                            device=device)
+        dense[torch.tensor(dst, dtype=torch.long, device=device)] = self.draft_probs[
+            torch.tensor(src, dtype=torch.long, device=device)]
+        dense[added_t, out.draft_ids[added_t]] = 1.0
+        out.draft_probs = dense
+        return out
+
+    def is_one_hot(self, b: int, i: int) -> bool:
+        """q of sequence b's proposal i is one-hot (the token was not drawn from a spread q)."""
+        q, row = self.draft_probs, int(self.cu_num_draft[b]) + i
+        if q is None:
+            return True
+        if isinstance(q, SparseProbs):
+            return int((q.row == row).sum()) == 1
+        return bool(q[row].max() >= 1.0)
 
 
 
@@ -83,8 +128,12 @@ class Drafter(Protocol):
         all. Returns the lengths (0 where a sequence is still behind) and the positions prefilled."""
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
-                generators: list[torch.Generator]) -> DraftBatch:
-        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b]."""
+                generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
+        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b].
+        With a guide (rows constrained by a grammar): seqs[b]'s draft continues after the forced
+        tokens guide.ahead(b); a drafter that draws from a spread q masks it with guide.allowed and
+        reports each token with guide.advance. Token-only drafters need do neither: the engine cuts
+        their drafts at the first token the grammar forbids (drafting/guided.py)."""
 
     def on_commit(self, seqs: list[Sequence]) -> None:
         """The round's tokens are committed: roll per-sequence state back to the committed history."""
@@ -126,6 +175,6 @@ class NoDrafter(FreeDrafter):
         self.device = device
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
-                generators: list[torch.Generator]) -> DraftBatch:
+                generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
         return DraftBatch.from_lists([[] for _ in seqs], self.device)
 

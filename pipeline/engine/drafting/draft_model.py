@@ -15,6 +15,7 @@ from ..core.prefix import Reuse
 from ..core.request import Sequence
 from ..core.sampling import row_probs
 from ..core.verify import sample_from_probs
+from ..grammar.walk import GuideView
 from ..model.prefill import Chunk, forward_history
 from ..model.runner import ModelRunner
 from .base import DraftBatch
@@ -118,22 +119,34 @@ class DraftModelDrafter:
             self._computed[seq] = m
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
-                generators: list[torch.Generator]) -> DraftBatch:
+                generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
+        """With a guide, seqs[b]'s draft starts after its forced tokens guide.ahead(b) (fed to the
+        draft model like drafted ones) and each step's q is masked by the grammar at that position:
+        q is then the draft's distribution restricted to what the grammar allows, as p will be."""
         # Token only (one-hot q, never stored) for the greedy method or an all-greedy batch.
         token_only = self.sample_method == "greedy" or all(s.params.is_greedy for s in seqs)
-        proposals: list[list[int]] = [[] for _ in seqs]
+        ahead = [list(guide.ahead(b)) if guide else [] for b in range(len(seqs))]
+        proposals: list[list[int]] = [list(a) for a in ahead]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(lengths, default=0)):
             active = [b for b, g in enumerate(lengths) if g > step]
-            self._draft_step([seqs[b] for b in active], [proposals[b] for b in active],
-                             [probs[b] for b in active], [generators[b] for b in active], token_only)
+            allowed = guide.allowed(active, self.runner.device) if guide else None
+            tokens = self._draft_step([seqs[b] for b in active], [proposals[b] for b in active],
+                                      [probs[b] for b in active], [generators[b] for b in active], token_only,
+                                      allowed)
+            for b, tok in zip(active, tokens):
+                if guide:
+                    guide.advance(b, tok)
+        own = [p[len(a):] for p, a in zip(proposals, ahead)]
         flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
-        return DraftBatch.from_lists(proposals, self.runner.device, flat_probs)
+        return DraftBatch.from_lists(own, self.runner.device, flat_probs)
 
     def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list],
-                    generators: list[torch.Generator], token_only: bool) -> None:
+                    generators: list[torch.Generator], token_only: bool,
+                    allowed: torch.Tensor | None = None) -> list[int]:
         """One draft forward for these sequences: catch up on committed tokens the draft has no KV for
-        (first step of a round) or feed the previous draft token; propose the next one."""
+        (first step of a round) or feed the previous proposed token; propose the next one under the
+        grammar masks `allowed` ([rows, vocab] bool, or None). Returns the new tokens."""
         starts, inputs = [self.num_computed(seq) for seq in seqs], []
         for seq, prop, start in zip(seqs, proposals, starts):
             history = seq.all_ids() + prop[:-1]            # tokens the draft must have KV for
@@ -141,12 +154,13 @@ class DraftModelDrafter:
             self._computed[seq] = len(history) + (1 if prop else 0)
         logits = self.runner.forward([seq.slot for seq in seqs], starts, inputs, logits="last")   # [rows, vocab]
         if token_only:
-            tokens = row_probs(logits, seqs, proposals, argmax_only=True)
+            tokens = row_probs(logits, seqs, proposals, argmax_only=True, allowed=allowed)
         else:
-            q = row_probs(logits, seqs, proposals)                           # [rows, vocab]
+            q = row_probs(logits, seqs, proposals, allowed=allowed)          # [rows, vocab]
             tokens = sample_from_probs(q, _uniforms(generators, q.device))
             for b in range(len(seqs)):
                 probs[b].append(q[b])
-        for b, tok in enumerate(tokens.tolist()):
+        tokens = tokens.tolist()
+        for b, tok in enumerate(tokens):
             proposals[b].append(tok)
-
+        return tokens

@@ -10,6 +10,7 @@ import torch
 from ..core.prefix import Reuse
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
+from ..grammar.walk import GuideView
 from ..model.prefill import Chunk
 from ..model.runner import ModelRunner
 from .base import DraftBatch, Drafter
@@ -58,12 +59,12 @@ class HybridDrafter:
         self.model.release(seq)
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
-                generators: list[torch.Generator]) -> DraftBatch:
-        found = self.first.propose(seqs, lengths, generators)
+                generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
+        found = self.first.propose(seqs, lengths, generators, guide)
         proposals = [found.tokens(b) for b in range(len(seqs))]
         need = [b for b, (p, g) in enumerate(zip(proposals, lengths)) if g > 0 and not p]
         sub = self.model.propose([seqs[b] for b in need], [lengths[b] for b in need],
-                                 [generators[b] for b in need])
+                                 [generators[b] for b in need], guide.subset(need) if guide else None)
         for i, b in enumerate(need):
             proposals[b] = sub.tokens(i)
         device = self.draft_runner.device

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..core.request import Sequence
+from ..grammar.walk import GuideView
 from .base import DraftBatch, FreeDrafter
 
 
@@ -34,12 +35,14 @@ class NgramDrafter(FreeDrafter):
             raise ValueError(f"ngram: expected 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n, self.device = min_n, max_n, device
 
-    def lookup(self, seq: Sequence, k: int) -> list[int]:
+    def lookup(self, seq: Sequence, k: int, ahead: list[int] = ()) -> list[int]:
+        """Up to k tokens to follow seq's tokens and then `ahead` (forced tokens already proposed)."""
         if k <= 0:
             return []
-        return ngram_lookup(np.asarray(seq.all_ids(), dtype=np.int64), self.min_n, self.max_n, k)
+        return ngram_lookup(np.asarray(seq.all_ids() + list(ahead), dtype=np.int64), self.min_n, self.max_n, k)
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
-                generators: list[torch.Generator]) -> DraftBatch:
-        return DraftBatch.from_lists([self.lookup(s, g) for s, g in zip(seqs, lengths)], self.device)
+                generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
+        return DraftBatch.from_lists([self.lookup(s, g, guide.ahead(b) if guide else ())
+                                      for b, (s, g) in enumerate(zip(seqs, lengths))], self.device)
 

@@ -47,6 +47,7 @@ import torch
 from ..config import SuffixParams
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
+from ..grammar.walk import GuideView
 from .base import DraftBatch, FreeDrafter
 
 
@@ -358,15 +359,17 @@ class SuffixDrafter(FreeDrafter):
         self._own.pop(seq, None)
         self.cache.finish(seq, seq.all_ids())
 
-    def lookup(self, seq: Sequence, k: int, generator: torch.Generator | None = None) -> Walk:
-        """Up to k draft tokens for `seq`: the better-scoring of its own index's and the worker-wide
-        index's most-frequent walks; sampled from the winner's counts (with q) where the sequence
-        samples and sample_method is probabilistic."""
+    def lookup(self, seq: Sequence, k: int, generator: torch.Generator | None = None,
+               ahead: list[int] = ()) -> Walk:
+        """Up to k draft tokens for `seq` (after its tokens and then `ahead`, forced tokens already
+        proposed): the better-scoring of its own index's and the worker-wide index's most-frequent
+        walks; sampled from the winner's counts (with q) where the sequence samples and
+        sample_method is probabilistic."""
         empty = Walk([], 0.0, None)
         if k <= 0:
             return empty
         own = self._synced(seq)
-        context = seq.all_ids()[-self.params.max_depth:]
+        context = (seq.all_ids() + list(ahead))[-self.params.max_depth:]
         best = own.match(context, k, self.params)
         walk = best.walk(self.params.min_prob) if best is not None else empty
         if self.cache.num_tokens:
@@ -380,8 +383,10 @@ class SuffixDrafter(FreeDrafter):
             walk = best.walk(self.params.min_prob, torch.rand(best.limit, generator=generator).tolist())
         return walk
 
-    def propose(self, seqs: list[Sequence], lengths: list[int], generators) -> DraftBatch:
-        walks = [self.lookup(s, g, gen) for s, g, gen in zip(seqs, lengths, generators)]
+    def propose(self, seqs: list[Sequence], lengths: list[int], generators,
+                guide: GuideView | None = None) -> DraftBatch:
+        walks = [self.lookup(s, g, gen, guide.ahead(b) if guide else ())
+                 for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
         proposals = [w.tokens for w in walks]
         if all(w.q is None for w in walks):
             return DraftBatch.from_lists(proposals, self.device)

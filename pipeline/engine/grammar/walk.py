@@ -1,0 +1,137 @@
+"""One round's walk of the grammar: each constrained sequence's Guide advances from its committed
+tokens through the round's proposal, recording the token mask at every position on the way; after
+verification it is settled back to the committed tokens (undoing only the rejected ones).
+
+Position i of sequence b is the state after its committed tokens and the first i proposed ones: the
+mask there restricts both the draft's q for proposal i (a draft model drafts under it) and the
+target's p for target row i. A mask is computed at most once per position and round.
+
+Masks travel as int32 bit words (bit t % 32 of word t // 32 allows token t) and become a bool
+[rows, vocab] tensor on the model's device where logits are masked (`unpack`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .library import Guide
+
+
+def unpack(bits: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """[rows, words] int32 bit masks -> [rows, vocab] bool (True: allowed)."""
+    bits = bits.to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+
+
+class RoundWalk:
+    """The grammar walk of one round over a batch (guides[b] None: sequence b is unconstrained)."""
+
+    def __init__(self, guides: list[Guide | None], words: int, vocab: int):
+        self.guides, self.words, self.vocab = guides, words, vocab
+        self.masks: list[list[torch.Tensor]] = [[] for _ in guides]     # per position: int32 [words]
+        self.accepting: list[list[bool]] = [[] for _ in guides]         # after each consumed token
+        self.depth = [0] * len(guides)                                   # tokens consumed this round
+        self.ahead: list[list[int]] = [[] for _ in guides]               # forced tokens ahead of the draft
+
+    def is_constrained(self, b: int) -> bool:
+        return self.guides[b] is not None
+
+    @property
+    def any_constrained(self) -> bool:
+        return any(g is not None for g in self.guides)
+
+    def mask(self, b: int) -> torch.Tensor:
+        """The int32 [words] mask of sequence b at its current position."""
+        masks = self.masks[b]
+        if len(masks) <= self.depth[b]:
+            row = torch.empty(self.words, dtype=torch.int32)
+            self.guides[b].fill_mask(row)
+            masks.append(row)
+        return masks[self.depth[b]]
+
+    def allows(self, b: int, token: int) -> bool:
+        return 0 <= token < self.vocab and bool((int(self.mask(b)[token >> 5]) >> (token & 31)) & 1)
+
+    def advance(self, b: int, token: int) -> bool:
+        """Consume `token` if the grammar allows it here; False (nothing consumed) if not."""
+        if not self.allows(b, token):
+            return False
+        guide = self.guides[b]
+        guide.consume([token])
+        self.depth[b] += 1
+        self.accepting[b].append(guide.is_accepting)
+        return True
+
+    def take_forced(self, b: int, limit: int) -> list[int]:
+        """Up to `limit` forced tokens from the current position, consumed; appended to the round's
+        forced tokens ahead of the draft while nothing else was proposed."""
+        taken = []
+        if limit > 0:
+            for token in self.guides[b].forced()[:limit]:
+                if not self.advance(b, token):
+                    break
+                taken.append(token)
+        return taken
+
+    def allowed(self, rows: list[int], device) -> torch.Tensor | None:
+        """[len(rows), vocab] bool masks of sequences `rows` at their current positions (all True for
+        unconstrained ones); None when none of them is constrained."""
+        if not any(self.is_constrained(b) for b in rows):
+            return None
+        bits = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        for i, b in enumerate(rows):
+            if self.is_constrained(b):
+                bits[i] = self.mask(b)
+        return unpack(bits, self.vocab, device)
+
+    def target_allowed(self, num_draft: list[int], device) -> torch.Tensor:
+        """[sum(g_b + 1), vocab] bool masks for the target's rows, in the verifier's order (rows of
+        sequence b: positions 0..g_b). A position past a proposed token the grammar refused (kept for
+        a certain rejection, see drafting/guided.py) repeats the last mask: that row is never used."""
+        bits = torch.full((sum(g + 1 for g in num_draft), self.words), -1, dtype=torch.int32)
+        r = 0
+        for b, g in enumerate(num_draft):
+            if self.is_constrained(b):
+                self.mask(b)                              # the current (last) position's mask
+                for i in range(g + 1):
+                    bits[r + i] = self.masks[b][min(i, self.depth[b])]
+            r += g + 1
+        return unpack(bits, self.vocab, device)
+
+    def settle(self, b: int, num_accepted: int, final: int | None) -> list[bool]:
+        """Back to the committed tokens: undo the walked tokens past the accepted ones, consume the
+        final (recovered or bonus) token. Returns, per committed token of the round, whether the
+        grammar accepts after it (what gates stop strings)."""
+        guide = self.guides[b]
+        keep = min(num_accepted, self.depth[b])
+        guide.rollback(self.depth[b] - keep)
+        self.depth[b] = keep
+        del self.accepting[b][keep:]
+        del self.masks[b][keep + 1:]
+        if final is not None and not self.advance(b, final):
+            raise RuntimeError(f"the grammar refuses token {final}, which was drawn under its own mask")
+        return self.accepting[b]
+
+
+class GuideView:
+    """What a drafter sees of the round's walk, for a subset of the batch (rows[i]: the walk's index
+    of the drafter's sequence i): the forced tokens ahead of its draft, the masks at the current
+    positions, and advancing past a drafted token."""
+
+    def __init__(self, walk: RoundWalk, rows: list[int] | None = None):
+        self.walk = walk
+        self.rows = list(range(len(walk.guides))) if rows is None else rows
+
+    def subset(self, indices: list[int]) -> "GuideView":
+        return GuideView(self.walk, [self.rows[i] for i in indices])
+
+    def ahead(self, i: int) -> list[int]:
+        return self.walk.ahead[self.rows[i]]
+
+    def allowed(self, indices: list[int], device) -> torch.Tensor | None:
+        return self.walk.allowed([self.rows[i] for i in indices], device)
+
+    def advance(self, i: int, token: int) -> None:
+        b = self.rows[i]
+        if self.walk.is_constrained(b) and not self.walk.advance(b, token):
+            raise RuntimeError(f"the draft proposed token {token}, which its grammar mask forbids")

@@ -1,0 +1,142 @@
+"""Structured output, sampled: with a grammar, the distribution of whole outputs produced by the
+engine matches exact enumeration of the target restricted to the grammar (masked, renormalised), for
+plain decoding with forced tokens and for every kind of draft: n-gram (one-hot, cut at forbidden
+tokens), suffix sampled from counts (sparse q, a forbidden draw kept and rejected), a draft model
+drafting under the mask (dense q) and the hybrid of the last two.
+
+The vocabulary is 8 tokens: <eos>, a, b, c, ab, ba, {, } and the grammar `"{" ("a" | "b")+ "}"`, so
+"{" is forced, "ab" can also be spelled "a" "b" (the mask allows both), and "}" then <eos> end the
+output; max_tokens 5 cuts the longer ones. N = 20,000 requests per case, each with its own
+generators. Outcomes expected fewer than 5 times are pooled. A case fails when the chi-square
+p-value is below ALPHA = 1e-5: a correct engine fails a case with probability 1e-5 (seeds are fixed:
+reproducible). The mutant (the target masked but not renormalised: acceptance weighed against the
+unmasked target's probabilities) must fail the same test.
+"""
+import llguidance
+import numpy as np
+import pytest
+import torch
+from llguidance._tokenizer import TokenizerWrapper
+
+import pipeline.engine.engine as engine_module
+from conftest import make_engine, noisy_copy, tiny_llama
+from pipeline.engine import SamplingParams
+from pipeline.engine.grammar.library import Grammars
+from references import reference_probs
+from test_end_to_end_distribution import chi2_pvalue
+
+TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
+EOS, VOCAB, LENGTH, N, ALPHA = 0, 8, 5, 20_000, 1e-5
+PROMPT = [3, 1, 4, 1, 5]
+GRAMMAR = {"type": "grammar", "grammar": 'start: "{" ("a" | "b")+ "}"'}
+
+
+class TinyTokenizer:
+    """Longest-match tokenizer over TOKENS (what llguidance needs of a tokenizer)."""
+    eos_token_id, bos_token_id, tokens, special_token_ids = EOS, None, TOKENS, [EOS]
+
+    def __call__(self, text):
+        text = text.encode() if isinstance(text, str) else text
+        out, i = [], 0
+        while i < len(text):
+            best = max((t for t in range(1, VOCAB) if text.startswith(TOKENS[t], i)), key=lambda t: len(TOKENS[t]))
+            out.append(best)
+            i += len(TOKENS[best])
+        return out
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(llguidance.LLTokenizer(TokenizerWrapper(TinyTokenizer()), n_vocab=VOCAB), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(vocab=VOCAB, seed=5, init_range=0.15)
+    return target, noisy_copy(target, noise=0.15, seed=6)
+
+
+@torch.no_grad()
+def exact_distribution(model, grammars, params) -> dict[tuple, float]:
+    """Every output (ending in <eos> or cut at LENGTH tokens) with its probability under the masked,
+    renormalised target: enumeration with llguidance's matcher driven directly."""
+    grammar = grammars.compile(params.constraint)
+    out = {}
+
+    def visit(prefix: list[int], prob: float):
+        matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
+        assert matcher.consume_tokens(prefix)
+        allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VOCAB]
+        logits = model(input_ids=torch.tensor([PROMPT + prefix])).logits[0, -1].double().numpy()
+        p = reference_probs(np.where(allowed.astype(bool), logits, -np.inf), params)
+        for tok in np.flatnonzero(p > 0):
+            seq = prefix + [int(tok)]
+            if tok == EOS or len(seq) == LENGTH:
+                out[tuple(seq)] = prob * p[tok]
+            else:
+                visit(seq, prob * p[tok])
+    visit([], 1.0)
+    assert abs(sum(out.values()) - 1) < 1e-9
+    return out
+
+
+def run_case(models, grammars, kind, params):
+    target, draft = models
+    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, eos=[EOS], grammars=grammars)
+    for i in range(N):
+        engine.add_request(f"r{i}", PROMPT, params, seed=11)
+    counts: dict[tuple, int] = {}
+    stats = dict(drafted=0, accepted=0, forced=0, forced_accepted=0)
+    while engine.has_unfinished():
+        out = engine.step()
+        for r in out.rounds:
+            stats["drafted"] += r.draft_len - r.forced
+            stats["accepted"] += r.accepted - r.forced_accepted
+            stats["forced"] += r.forced
+            stats["forced_accepted"] += r.forced_accepted
+        for c in out.finished:
+            counts[tuple(c.output_ids)] = counts.get(tuple(c.output_ids), 0) + 1
+    assert sum(counts.values()) == N
+    return counts, stats
+
+
+CASES = {
+    "plain+forced": ("none", SamplingParams(max_tokens=LENGTH, temperature=1.0, response_format=GRAMMAR)),
+    "ngram": ("ngram", SamplingParams(max_tokens=LENGTH, temperature=1.0, response_format=GRAMMAR)),
+    "suffix": ("suffix", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=3, response_format=GRAMMAR)),
+    "draft-prob": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0, response_format=GRAMMAR)),
+    "hybrid-suffix-prob": ("hybrid-suffix-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0,
+                                                                response_format=GRAMMAR)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_match_the_masked_target(models, grammars, case):
+    kind, params = CASES[case]
+    counts, stats = run_case(models, grammars, kind, params)
+    assert stats["forced"] > 0 and stats["forced_accepted"] > 0
+    if kind != "none":
+        assert 0 < stats["accepted"] < stats["drafted"], "the case must exercise acceptance and rejection"
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params), N)
+    assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
+
+
+@pytest.mark.slow
+def test_verifying_against_the_unmasked_target_is_caught(models, grammars, monkeypatch):
+    """The mutant: the verifier's p is the target's probabilities with forbidden tokens zeroed but not
+    renormalised, so a draft token is accepted with the unmasked target's p(y). Recovered tokens still
+    come from allowed ones, so the output parses; only its distribution is wrong, and the test sees it."""
+    row_probs = engine_module.row_probs
+
+    def unrenormalised(logits, seqs, extra, argmax_only=False, allowed=None):
+        if argmax_only or allowed is None:
+            return row_probs(logits, seqs, extra, argmax_only, allowed)
+        return row_probs(logits, seqs, extra) * allowed
+
+    monkeypatch.setattr(engine_module, "row_probs", unrenormalised)
+    kind, params = CASES["ngram"]
+    counts, stats = run_case(models, grammars, kind, params)
+    assert stats["drafted"] > 1000
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params), N)
+    assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"
