@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from ..engine import Completion, RoundRecord
+from ..job.validity import structured_columns
 from ..io.reader import Unit
 from ..job.config import JobConfig
 from .feeding import UnitState
@@ -45,7 +46,8 @@ class Recorder:
         return {"id": r.request_id, "round": r.round, "draft_len": r.draft_len, "accepted": r.accepted,
                 "emitted": r.emitted, "accepted_mask": list(r.accepted_mask),
                 "first_rejected": rejected[0] if rejected else None, "batch_size": r.batch_size,
-                "draft_s": r.draft_s, "verify_s": r.verify_s, "step": r.step, "worker": self.worker, "unit": uid}
+                "draft_s": r.draft_s, "verify_s": r.verify_s, "step": r.step, "forced": r.forced,
+                "forced_accepted": r.forced_accepted, "worker": self.worker, "unit": uid}
 
     def completion_row(self, c: Completion, unit: Unit, index: int, latency: float) -> dict:
         n = len(c.output_ids)
@@ -55,4 +57,5 @@ class Recorder:
                 "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
                 "mean_accepted_length": n / c.num_rounds if c.num_rounds else None, "seed": c.seed,
                 **self.stamp, "unit": unit.uid, "source_file": unit.file,
-                "source_row": index, "worker": self.worker, "latency_s": latency}
+                "source_row": index, "worker": self.worker, "latency_s": latency,
+                **structured_columns(c)}

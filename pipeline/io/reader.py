@@ -37,6 +37,8 @@ class InputConfig:
     prompt_column: str = "prompt"           # a plain string prompt (chat template applied)
     messages_column: str = "messages"       # or a chat: list of {role, content}
     id_column: str = "id"                   # optional; else a stable id from file + row index
+    response_format_column: str = "response_format"   # optional per-row constraint (a JSON object or its
+                                            # text); overrides sampling.response_format for that row
     rows_per_unit: int = 256                # a work unit is (file, row range) of at most this many rows
     check_duplicate_ids: bool = True        # plan-time pass over the id column (memory ~ number of ids)
     limit: Optional[int] = None             # plan at most this many rows in total

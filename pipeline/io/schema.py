@@ -30,6 +30,11 @@ COMPLETIONS = pa.schema([
     ("source_row", pa.int64()),
     ("worker", pa.string()),
     ("latency_s", pa.float64()),               # queued in the engine -> finished
+    ("response_format", pa.string()),          # the row's constraint as JSON; null for free text
+    ("valid", pa.bool_()),                     # constrained rows: ended by the grammar and (JSON kinds)
+                                               # parses and validates; null for free text
+    ("record", pa.string()),                   # JSON kinds: the parsed record (compact JSON) when valid
+    ("forced_tokens", pa.int32()),             # committed tokens the grammar forced (drafted for free)
 ])
 
 ROUNDS = pa.schema([
@@ -44,6 +49,8 @@ ROUNDS = pa.schema([
     ("draft_s", pa.float64()),                 # the step's draft phase
     ("verify_s", pa.float64()),                # the step's verify phase
     ("step", pa.int64()),
+    ("forced", pa.int32()),                    # of draft_len: forced by the row's grammar, not drafted
+    ("forced_accepted", pa.int32()),           # of accepted: forced ones
     ("worker", pa.string()),
     ("unit", pa.string()),
 ])
@@ -51,7 +58,8 @@ ROUNDS = pa.schema([
 ERRORS = pa.schema([
     ("id", pa.string()),
     ("reason", pa.string()),                   # empty_prompt | bad_prompt_type | bad_messages |
-                                               # prompt_too_long | bad_sampling | duplicate_id | missing_id
+                                               # prompt_too_long | bad_sampling | duplicate_id | missing_id |
+                                               # bad_response_format
     ("field", pa.string()),
     ("message", pa.string()),
     ("source_file", pa.string()),

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..engine.config import DraftingConfig, EngineConfig
 from ..engine.core.request import RequestError, SamplingParams
+from ..engine.grammar.library import check_format
 from ..errors import ConfigError, one_of
 from ..io.reader import InputConfig
 from ..io.storage import StorageConfig
@@ -129,6 +130,11 @@ class JobConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
+        if self.sampling.response_format is not None:
+            try:
+                check_format(self.sampling.constraint)      # compiles it (no tokenizer needed)
+            except RequestError as e:
+                raise ConfigError(f"sampling.{e}") from None
         if self.drafting.uses_draft_model and not self.models.draft:
             raise ConfigError(f"models.draft: required when drafting.method={self.drafting.method!r}")
         if self.models.device.startswith("cuda") and self.cluster.num_gpus_per_worker <= 0:

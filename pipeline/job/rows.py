@@ -1,7 +1,7 @@
 """One input row -> one engine request, or a RowError with a reason code naming the field.
 
 The input contract: a prompt string column or a messages column (list of {role, content}), an
-optional id column (else a stable id from file + row index), optional per-row sampling overrides.
+optional id column (else a stable id from file + row index), optional per-row sampling overrides, an optional per-row response_format.
 Knows the tokenizer (for the chat template) but not the engine, files or Ray.
 """
 from __future__ import annotations
@@ -103,10 +103,15 @@ def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: Sam
                            f"expected a string, got {type(prompt).__name__}")
         if prompt is None or not prompt.strip():
             raise RowError("empty_prompt", inp.prompt_column, f"expected a non-empty string, got {prompt!r}")
+    overrides = _overrides(row)
+    fmt = row.get(inp.response_format_column)
+    if fmt is not None:
+        overrides["response_format"] = fmt
     try:
-        params = replace(sampling, **_overrides(row))
+        params = replace(sampling, **overrides)
     except RequestError as e:
-        raise RowError(e.code, e.field, str(e).split(": ", 1)[-1]) from None
+        where = inp.response_format_column if e.field == "response_format" and fmt is not None else e.field
+        raise RowError(e.code, where, str(e).split(": ", 1)[-1]) from None
     seed = row.get("seed", None)
     if seed is None:
         seed = run_seed

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
                       NgramDrafter, SpecEngine, SuffixDrafter)
 from ..engine.config import AUTO
+from ..engine.grammar.library import Grammars
 from ..engine.model.hf_config import reject_unsupported
 from ..engine.model.slots import choose_max_num_seqs
 from ..loading.hardware import DtypeChoice, resolve_dtype
@@ -77,10 +78,21 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
     if drafting.free_method is not None:
         free = free_drafter(drafting, drafting.free_method, models.device)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    engine = SpecEngine(ModelRunner(target, engine_cfg, kernels), drafter, engine_cfg,
-                        eos_token_ids=eos_ids(target, tokenizer),
-                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), drafting=drafting)
+    runner = ModelRunner(target, engine_cfg, kernels)
+    eos = eos_ids(target, tokenizer)
+    engine = SpecEngine(runner, drafter, engine_cfg, eos_token_ids=eos,
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), drafting=drafting,
+                        grammars=grammars_for(tokenizer, runner.vocab_size, eos))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype, slots_reason)
+
+
+def grammars_for(tokenizer, vocab_size: int, eos: list[int]) -> Grammars | None:
+    """response_format support for this tokenizer (llguidance reads fast tokenizers only); without
+    it, a row asking for a format becomes an error row saying so."""
+    try:
+        return Grammars.from_hf(tokenizer, vocab_size, eos)
+    except ValueError:
+        return None
 
 
 def free_drafter(drafting: DraftingConfig, kind: str, device: str) -> NgramDrafter | SuffixDrafter:

@@ -30,6 +30,8 @@ Knows nothing about storage, Ray or plotting.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -161,3 +163,36 @@ def tokens_per_s_over_time(rounds: pd.DataFrame, bins: int = 20, by=()) -> pd.Da
                                    "tokens_per_s": tokens / width}).assign(**dict(zip(keys + ["worker"], key))))
     cols = keys + ["worker", "t_s", "tokens", "tokens_per_s"]
     return pd.concat(parts)[cols] if parts else pd.DataFrame(columns=cols)
+
+
+def format_kind(response_format) -> str:
+    """The kind of a completions row's response_format (JSON text), or `text` for free text."""
+    if response_format is None or (isinstance(response_format, float) and np.isnan(response_format)):
+        return "text"
+    return json.loads(response_format).get("type", "?")
+
+
+def by_format(completions: pd.DataFrame, rounds: pd.DataFrame, by=()) -> pd.DataFrame:
+    """Per group and response_format kind: rows, valid_rate (of constrained rows), forced_share (of
+    committed tokens, forced by the grammar), acceptance_rate of the drafter's own tokens (forced
+    ones apart) and of the forced ones."""
+    if completions.empty or "response_format" not in completions:
+        return pd.DataFrame()
+    c, keys = grouped(completions, by)
+    c = c.assign(format=c["response_format"].map(format_kind))
+    r, _ = grouped(rounds, by)
+    if "forced" not in r:
+        r = r.assign(forced=0, forced_accepted=0)
+    r = r.merge(c[["id", "format"] + (["run"] if "run" in c and "run" in r else [])].drop_duplicates(),
+                on=["id"] + (["run"] if "run" in c and "run" in r else []), how="left")
+    r["format"] = r["format"].fillna("text")
+    gc, gr = c.groupby(keys + ["format"]), r.groupby(keys + ["format"])
+    sums = gr[["draft_len", "accepted", "forced", "forced_accepted", "emitted"]].sum()
+    own = sums["draft_len"] - sums["forced"]
+    return pd.DataFrame({
+        "rows": gc.size(),
+        "valid_rate": gc["valid"].apply(lambda v: v.dropna().astype(float).mean() if v.notna().any() else np.nan),
+        "forced_share": sums["forced_accepted"] / sums["emitted"].where(sums["emitted"] > 0),
+        "acceptance_rate": (sums["accepted"] - sums["forced_accepted"]) / own.where(own > 0),
+        "forced_acceptance": sums["forced_accepted"] / sums["forced"].where(sums["forced"] > 0),
+    })

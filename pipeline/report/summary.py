@@ -187,6 +187,9 @@ def report_text(frames: dict[str, pd.DataFrame], by: list[str]) -> str:
         ("acceptance per draft position i: unconditional = P(accepted >= i) (vLLM's per-position rate), "
          "conditional = P(i accepted | 1..i-1 accepted)", pos),
         ("finish reasons (completions)", st.counts(c, "finish_reason", by)),
+        ("structured output per response_format kind (valid_rate: ended by the grammar and, for JSON, "
+         "parses and validates; forced_share: committed tokens the grammar forced; acceptance_rate: the "
+         "drafter's own tokens)", st.by_format(c, r, by)),
         ("errors by reason", st.counts(e, "reason", by)),
     ]
     return "\n\n".join(f"== {title}\n{_fmt(df)}" for title, df in sections)

@@ -57,7 +57,7 @@ import string
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -76,7 +76,9 @@ from ..io.storage import (
     retrying,
 )
 from ..io.writer import OutputError, RunOutput
-from ..engine.core.request import SamplingParams
+from ..engine.core.request import RequestError, SamplingParams
+from ..engine.core.response_format import FormatError, parse_response_format
+from ..engine.grammar.library import check_format
 from ..job.config import JobConfig, RunConfig, load_config
 from .schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
 
@@ -85,7 +87,8 @@ PASSTHROUGH = ["slot", "seed_id", "template"]
 INPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64()), ("temperature", pa.float64()),
     ("max_tokens", pa.int64()), ("stop", pa.list_(pa.string())), ("slot", pa.string()),
-    ("seed_id", pa.string()), ("template", pa.string()), ("sample", pa.int64())])
+    ("seed_id", pa.string()), ("template", pa.string()), ("sample", pa.int64()),
+    ("response_format", pa.string())])
 INPUT_FIELDS_SET_BY_JOB = ("path", "format", "prompt_column", "messages_column", "id_column", "passthrough_columns")
 
 
@@ -103,6 +106,9 @@ class TemplateConfig:
     temperature: Optional[float] = None     # per-row sampling overrides; null = the sampling section
     max_tokens: Optional[int] = None
     stop: Optional[list[str]] = None
+    response_format: Any = None             # the records' shape (a response_format object, e.g.
+                                            # {type: json_schema, json_schema: {...}}); null = free text;
+                                            # the quality gate flags rows that are not valid records
 
     def fields(self) -> list[str]:
         return [name for _, name, _, _ in string.Formatter().parse(self.text) if name is not None]
@@ -120,6 +126,20 @@ class TemplateConfig:
             raise ConfigError(f"{key}.text: placeholders must be plain column names like {{text}}, got {names}")
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"{key}.samples: expected >= 1 or null, got {self.samples}")
+        if self.response_format is not None:
+            try:
+                fmt = parse_response_format(self.response_format)
+                if fmt is not None:
+                    check_format(fmt)
+            except FormatError as e:
+                raise ConfigError(f"{key}.response_format: {e}") from None
+            except RequestError as e:
+                raise ConfigError(f"{key}.{e}") from None
+
+    def format_json(self) -> str | None:
+        """The response_format as JSON text (the input rows' column), or None."""
+        fmt = parse_response_format(self.response_format)
+        return None if fmt is None else fmt.to_json()
 
 
 @dataclass
@@ -257,7 +277,7 @@ def expand(seeds: list[dict], section: SyntheticSection, sampling: SamplingParam
                 rows.append({"id": rid, "prompt": prompt, "seed": row_seed(run_seed, slot, rid),
                              "temperature": sampling.temperature if t.temperature is None else t.temperature,
                              "max_tokens": t.max_tokens, "stop": t.stop, "slot": slot, "seed_id": sid,
-                             "template": t.id, "sample": k})
+                             "template": t.id, "sample": k, "response_format": t.format_json()})
     if not rows:
         raise SeedError(f"no rows: no template applies to the {len(seeds)} seeds (template kinds "
                         f"{[t.kinds for t in section.templates]}, seed column {section.kind_column!r})")

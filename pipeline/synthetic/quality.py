@@ -9,7 +9,9 @@ unit's completions rows, then
     is_duplicate     a non-empty text exactly equal to an earlier row's, in the slot's input order
                      (seed, template, sample; `source_row`): the first occurrence is not a duplicate
     duplicate_of     that first row's id (null otherwise)
-    is_kept          none of the three flags
+    is_invalid       the template declared a response_format and the row is not a valid record
+                     (completions' `valid` is false: cut by max_tokens, or not parsing/validating)
+    is_kept          none of the four flags
 
 and returns the counts for the slot's summary. Input rows that could not run are in the run's
 errors table (with their slot), not here.
@@ -37,7 +39,7 @@ from ..io.writer import RunOutput
 TRUNCATED = ("length", "context")
 FLAG_FIELDS = [pa.field("is_empty", pa.bool_()), pa.field("is_truncated", pa.bool_()),
                pa.field("is_duplicate", pa.bool_()), pa.field("duplicate_of", pa.string()),
-               pa.field("is_kept", pa.bool_())]
+               pa.field("is_invalid", pa.bool_()), pa.field("is_kept", pa.bool_())]
 
 
 def text_key(text: str | None) -> str | None:
@@ -48,7 +50,7 @@ def text_key(text: str | None) -> str | None:
 
 
 def quality_flags(rows: list[dict]) -> dict[str, dict]:
-    """id -> flags, for rows {id, source_row, finish_reason, key (text_key)} of one slot."""
+    """id -> flags, for rows {id, source_row, finish_reason, key (text_key)[, valid]} of one slot."""
     first: dict[str, str] = {}
     out = {}
     for r in sorted(rows, key=lambda r: (r["source_row"], r["id"])):
@@ -57,8 +59,9 @@ def quality_flags(rows: list[dict]) -> dict[str, dict]:
             dup_of = first.setdefault(r["key"], r["id"])
             dup_of = None if dup_of == r["id"] else dup_of
         flags = {"is_empty": r["key"] is None, "is_truncated": r["finish_reason"] in TRUNCATED,
-                 "is_duplicate": dup_of is not None, "duplicate_of": dup_of}
-        flags["is_kept"] = not (flags["is_empty"] or flags["is_truncated"] or flags["is_duplicate"])
+                 "is_duplicate": dup_of is not None, "duplicate_of": dup_of, "is_invalid": r.get("valid") is False}
+        flags["is_kept"] = not (flags["is_empty"] or flags["is_truncated"] or flags["is_duplicate"]
+                                or flags["is_invalid"])
         out[r["id"]] = flags
     return out
 
@@ -67,7 +70,8 @@ def count(flags: dict[str, dict]) -> dict:
     values = list(flags.values())
     return {"checked": len(values), "empty": sum(f["is_empty"] for f in values),
             "truncated": sum(f["is_truncated"] for f in values),
-            "duplicate": sum(f["is_duplicate"] for f in values), "kept": sum(f["is_kept"] for f in values)}
+            "duplicate": sum(f["is_duplicate"] for f in values), "invalid": sum(f["is_invalid"] for f in values),
+            "kept": sum(f["is_kept"] for f in values)}
 
 
 def _read(url: str, storage, columns=None) -> pa.Table:
@@ -82,7 +86,7 @@ def curate(run: RunOutput, folder, input_url: str, storage) -> dict:
     files = dict(zip(units, run.committed_files("completions")))
     keys = []
     for url in files.values():
-        t = _read(url, storage, ["id", "source_row", "finish_reason", "text"])
+        t = _read(url, storage, ["id", "source_row", "finish_reason", "text", "valid"])
         keys += [{**r, "key": text_key(r.pop("text"))} for r in t.to_pylist()]
     flags = quality_flags(keys)
     inputs = {r["id"]: r for r in _read(input_url, storage, ["id", "prompt", "sample"]).to_pylist()}

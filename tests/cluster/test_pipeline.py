@@ -167,3 +167,56 @@ def test_bad_input_and_reused_run_id_fail_before_ray_work(tiny_model_dir, tmp_pa
     (tmp_path / "out" / "t" / "_plan.json").write_text(json.dumps({"config_hash": "other", "units": []}))
     with pytest.raises(OutputError, match="another config"):
         run_job(cfg)
+
+
+def test_structured_rows_write_valid_records_and_bad_formats_error_rows(tiny_model_dir, ray_head, tmp_path):
+    """Per-row response_format (as a JSON object and as its text) through the real job: valid records
+    parsed into `record`, a row cut by max_tokens is not valid, a format that does not compile or
+    parse is an error row naming the column, free-text rows are untouched, and the report shows
+    validity per kind."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "year"],
+              "properties": {"city": {"type": "string", "maxLength": 8}, "year": {"type": "integer",
+                                                                                  "minimum": 1000, "maximum": 2999}}}
+    rows = [
+        {"id": "json", "prompt": "Where and when?", "response_format": {"type": "json_schema", "json_schema": schema}},
+        {"id": "json-text", "prompt": "Again?", "response_format": json.dumps({"type": "json_schema",
+                                                                                "json_schema": schema})},
+        {"id": "choice", "prompt": "Yes or no?", "response_format": {"type": "choice", "choice": ["yes", "no"]}},
+        {"id": "short", "prompt": "Cut", "max_tokens": 3, "response_format": {"type": "json_schema",
+                                                                              "json_schema": schema}},
+        {"id": "regex-bad", "prompt": "Hi", "response_format": {"type": "regex", "regex": "[a-"}},
+        {"id": "json-bad", "prompt": "Hi", "response_format": "{not json"},
+        {"id": "free", "prompt": "Tell me about rivers."},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = job_config(tiny_model_dir, str(src), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
+                     "sampling.max_tokens=60", "input.rows_per_unit=4")
+    summary = run_job(cfg)
+    run = read_run(tmp_path / "out" / "t")
+    done = {c["id"]: c for c in run["completions"]}
+    assert sorted(done) == ["choice", "free", "json", "json-text", "short"]
+    for rid in ("json", "json-text"):
+        c = done[rid]
+        if c["finish_reason"] == "eos":
+            assert c["valid"] and json.loads(c["record"]) == json.loads(c["text"])
+            assert set(json.loads(c["record"])) == {"city", "year"}
+        else:
+            assert c["valid"] is False and c["record"] is None
+        assert c["forced_tokens"] > 0
+    assert done["choice"]["valid"] and done["choice"]["text"] in ("yes", "no")
+    assert done["short"]["finish_reason"] == "length" and done["short"]["valid"] is False
+    assert done["free"]["valid"] is None and done["free"]["response_format"] is None
+    assert sum(c["valid"] is True for c in done.values()) >= 2
+    errors = {e["id"]: e for e in run["errors"]}
+    assert set(errors) == {"regex-bad", "json-bad"}
+    assert all(e["reason"] == "bad_response_format" and e["field"] == "response_format" for e in errors.values())
+    assert "regex does not compile" in errors["regex-bad"]["message"]
+    assert "not valid JSON" in errors["json-bad"]["message"]
+    forced = [r for r in run["rounds"] if r["forced"]]
+    assert forced and all(r["forced_accepted"] <= r["forced"] for r in forced)
+    report = subprocess.run([sys.executable, "-m", "pipeline.report", str(tmp_path / "out" / "t")],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert "structured output per response_format kind" in report.stdout and "json_schema" in report.stdout
+    assert summary["error_reasons"]["bad_response_format"] == 2

@@ -15,6 +15,22 @@ first rejection are ever read, so a sparse q is never made dense beyond those ro
 Ragged batches are stored flat: sequence b owns draft rows cu_num_draft[b]:cu_num_draft[b+1] and
 target rows cu_num_draft[b]+b : cu_num_draft[b+1]+b+1 (its g_b + 1 distributions).
 
+Grammars (response_format). A constrained row's p_i is the target masked by its grammar at that
+position and renormalised; the rule above then gives outputs distributed exactly as that masked
+target, for any q the draft tokens were truly drawn from. The drafting side must keep that premise:
+  - a draft model's q is masked by the same grammar before it draws (its q is then the masked draft);
+  - a one-hot draft (n-gram, suffix's most frequent walk, forced tokens) is a function of the
+    prefix: it may end early wherever it likes, so it is cut before the first token the grammar
+    forbids; at such a token y the rule would reject surely (p(y) = 0) and draw norm([p - 1_y]+) = p,
+    exactly the bonus draw that ending the draft there gives;
+  - a token drawn from a spread q that the grammar forbids is kept (dropping it on seeing it would
+    make the draft's length depend on the draw): it is rejected surely and the residual
+    norm([p - q]+) is drawn, as the proof requires;
+  - a forced token (the grammar's only continuation) has p = 1 and is accepted surely; where the
+    tokenizer spells the same bytes another way, p is spread over the spellings and the forced token
+    is an ordinary one-hot draft.
+Masked p rows come in like any other; this module never sees a grammar.
+
 This module knows nothing about models, caches, requests or random generators: all randomness comes
 in as uniforms drawn by the caller from each sequence's own generator.
 """
