@@ -15,6 +15,8 @@ import resource
 import sys
 import time
 
+from dataclasses import replace
+
 import torch
 
 from bench import hf_baselines
@@ -24,6 +26,7 @@ from pipeline.engine import SamplingParams
 from pipeline.loading.hardware import resolve_dtype
 from pipeline.loading.models import ModelSpec, load_model
 from pipeline.job.runtime import build_engine
+from pipeline.job.validity import check_record
 
 MODELS = {   # name -> (target, draft)
     "smollm2": ("smollm2-135m-instruct", None),
@@ -47,7 +50,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     drafter = args.drafter
     drafting = DraftingConfig(method=drafter, num_speculative_tokens=args.g, adaptive=args.adaptive,
                               draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                              suffix=SuffixParams(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer)
+                              suffix=SuffixParams(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer,
+                              forced_tokens=args.forced_tokens == "on")
     models = ModelsConfig(target=target, draft=draft if drafting.uses_draft_model else None,
                           dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -60,7 +64,9 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     if args.calibrate or args.adaptive:
         engine.calibrate()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    _drain(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), "warm")
+    formats = json.load(open(args.formats)) if args.formats else [None] * len(prompts)
+    params = [replace(params, response_format=f) for f in formats[:len(prompts)]]
+    _drain(engine, prompts[:2], [replace(p, max_tokens=8) for p in params[:2]], "warm")
     engine.reset_prefix_cache()           # the warm-up's prompts must not be reused by the timed run
     draft_runner = engine.drafter.draft_runner if engine.drafter is not None else None
     forwarded = (engine.target.num_forward_tokens, draft_runner.num_forward_tokens if draft_runner else 0)
@@ -68,6 +74,9 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     done, rounds = _drain(engine, prompts, params, "p")
     wall = time.perf_counter() - t0
     outputs = [done[f"p{i}"].output_ids for i in range(len(prompts))]
+    completions = [done[f"p{i}"] for i in range(len(prompts))]
+    constrained = [c for c in completions if c.response_format is not None]
+    valid = [check_record(c.text, c.response_format)[0] if c.valid else False for c in constrained]
     drafted = sum(r.draft_len for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     steps = {}
@@ -87,12 +96,20 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             # tokens each model forwarded in the timed run (prefill, catch-up, drafts, verification)
             "target_forward_tokens": engine.target.num_forward_tokens - forwarded[0],
             "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0,
-            "kernels": loaded.plan_lines()}
+            "kernels": loaded.plan_lines(),
+            "num_steps": len(steps), "finish_reasons": [c.finish_reason for c in completions],
+            "constrained": len(constrained), "valid": sum(valid),
+            "valid_of_finished": (sum(valid) / sum(c.finish_reason in ("eos", "stop") for c in constrained)
+                                  if any(c.finish_reason in ("eos", "stop") for c in constrained) else None),
+            "forced_drafted": sum(r.forced for r in rounds), "forced_accepted": sum(r.forced_accepted for r in rounds),
+            "own_acceptance": ((accepted - sum(r.forced_accepted for r in rounds))
+                               / max(1, drafted - sum(r.forced for r in rounds)))}
 
 
 def _drain(engine, prompts, params, prefix):
+    """params: one SamplingParams for all, or one per prompt."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params)
+        engine.add_request(f"{prefix}{i}", p, params[i] if isinstance(params, list) else params)
     done, rounds = {}, []
     while engine.has_unfinished():
         out = engine.step()
@@ -144,6 +161,8 @@ def main() -> None:
     ap.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_decoder (a switch under engine.kernels)")
     ap.add_argument("--prefix-reuse", default="on", choices=["on", "off"], help="engine.prefix_reuse")
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
+    ap.add_argument("--formats", default=None, help="JSON list, one per prompt: null or a response_format object")
+    ap.add_argument("--forced-tokens", default="on", choices=["on", "off"], help="drafting.forced_tokens")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's automatic prefix caching (reset before every timed run, so each starts cold)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="running sequences at most (vLLM's default when unset); with --batch all: batch N")
+    p.add_argument("--formats-json", default=None,
+                   help="JSON list, one per prompt: null or a response_format object (json_schema, json_object, "
+                        "regex, choice, grammar): vLLM's structured outputs with --structured-backend")
+    p.add_argument("--structured-backend", default="guidance", help="vLLM structured_outputs backend")
     p.add_argument("--out", required=True, help="result JSON path")
     return p.parse_args(argv)
 
@@ -69,6 +75,10 @@ def build_llm(args: argparse.Namespace):
                   max_model_len=args.max_model_len, disable_log_stats=False)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.formats_json:
+        kwargs["structured_outputs_config"] = {"backend": args.structured_backend, "disable_any_whitespace": True}
     if args.mode == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
                                         "prompt_lookup_max": args.ngram_max,
@@ -92,13 +102,31 @@ def spec_counters(llm) -> dict[str, int]:
     return totals
 
 
+def structured(fmt: dict | None):
+    """vLLM's StructuredOutputsParams for a response_format object (None: free text)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if fmt is None:
+        return None
+    kind = fmt["type"]
+    if kind == "json_schema":
+        body = fmt["json_schema"]
+        schema = body["schema"] if isinstance(body, dict) and "schema" in body and "type" not in body else body
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    return StructuredOutputsParams(**{kind: fmt[kind]})
+
+
 def generate(llm, prompts: list[list[int]], params, batch: str) -> list:
+    """params: one SamplingParams for all, or a list (one per prompt)."""
     from vllm.inputs import TokensPrompt
 
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     if batch == "all":
         return llm.generate(requests, params, use_tqdm=False)
-    return [out for r in requests for out in llm.generate([r], params, use_tqdm=False)]
+    per = params if isinstance(params, list) else [params] * len(requests)
+    return [out for r, sp in zip(requests, per) for out in llm.generate([r], sp, use_tqdm=False)]
 
 
 def spec_summary(before: dict[str, int], after: dict[str, int]) -> dict:
@@ -138,10 +166,16 @@ def run(args: argparse.Namespace) -> dict:
     warmup_s = time.perf_counter() - t0
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=False)
+    if args.formats_json:
+        with open(args.formats_json) as f:
+            formats = json.load(f)
+        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=structured(fmt))
+                  for fmt in formats]
     runs = []
     for batch in args.batch.split(","):
         for rep in range(args.repeats):
-            runs.append(timed_run(llm, prompts if batch == "all" else prompts[:args.n_b1], params, batch, args))
+            n = len(prompts) if batch == "all" else args.n_b1
+            runs.append(timed_run(llm, prompts[:n], params[:n] if isinstance(params, list) else params, batch, args))
             runs[-1].update({"repeat": rep, "load_s": load_s, "warmup_s": warmup_s,
                              "vllm_version": vllm.__version__})
     return {"runs": runs, **runs[0]}

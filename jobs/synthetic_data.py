@@ -59,7 +59,8 @@ def run(plan, show: int) -> int:
         print_summary(result.summary, show=show, storage=plan.job.storage)
         q, s = result.slot_summary["quality"], result.slot_summary
         print(f"quality: {q['checked']} completions checked: {q['empty']} empty, {q['truncated']} truncated, "
-              f"{q['duplicate']} duplicates (flagged, not dropped), {q['kept']} kept; {s['errors']} input rows "
+              f"{q['duplicate']} duplicates, {q.get('invalid', 0)} invalid records (flagged, not dropped), "
+              f"{q['kept']} kept; {s['errors']} input rows "
               f"failed{' ' + str(s['error_reasons']) if s['error_reasons'] else ''}; curated: {plan.url}/curated/")
     print(result.message)
     return 0

@@ -280,7 +280,8 @@ def _progress(bar, stats, committed_rows: int, t0: float, alive: int) -> None:
     bar.refresh()
 
 
-PROMPT_KEYS = ("prompt_tokens", "prompt_tokens_reused")   # prompt positions, and those whose KV was copied
+MARKER_EXTRAS = ("prompt_tokens", "prompt_tokens_reused",   # marker counts that may be absent (0): prompt positions, those copied,
+               "structured", "valid", "forced_tokens")    # rows with a response_format, valid ones, forced tokens
 
 
 def _summary(cfg, chash, markers: dict, fresh: list[dict], run_stats: dict, wall: float, url: str) -> dict:
@@ -289,11 +290,11 @@ def _summary(cfg, chash, markers: dict, fresh: list[dict], run_stats: dict, wall
     total, reasons = collections.Counter(), collections.Counter()
     for m in markers.values():
         total.update({k: m[k] for k in keys})
-        total.update({k: m.get(k, 0) for k in PROMPT_KEYS})      # markers from before they were counted: 0
+        total.update({k: m.get(k, 0) for k in MARKER_EXTRAS})      # markers from before they were counted: 0
         reasons.update(m.get("error_reasons", {}))
     new_tokens, new_rows = sum(m["tokens"] for m in fresh), sum(m["rows"] for m in fresh)
     return {"run_id": cfg.run.run_id, "output": url, "config_hash": chash,
-            **{k: total[k] for k in keys + PROMPT_KEYS}, "error_reasons": dict(reasons),
+            **{k: total[k] for k in keys + MARKER_EXTRAS}, "error_reasons": dict(reasons),
             "prefix_reuse_rate": round(total["prompt_tokens_reused"] / total["prompt_tokens"], 4)
             if total["prompt_tokens"] else None,
             "acceptance_rate": round(total["accepted_tokens"] / total["draft_tokens"], 4)

@@ -16,6 +16,9 @@ prefixes `ray_` on export and counters gain `_total`, as vLLM's do through prome
     ray_specpipe_prefix_cache_queries_total              counter                   vllm:prefix_cache_queries
     ray_specpipe_prefix_cache_hits_total                 counter                   vllm:prefix_cache_hits
     ray_specpipe_rounds_total                            counter                   (none: every round, drafted or not)
+    ray_specpipe_forced_tokens_total                     counter                   (none: proposed by a grammar, part of draft tokens)
+    ray_specpipe_forced_accepted_tokens_total            counter                   (none: of those, accepted)
+    ray_specpipe_structured_rows_total                   counter  valid            (none: rows with a response_format)
     ray_specpipe_generation_tokens_per_s                 gauge                     (none: emitted tokens/s, last ~10 s)
     ray_specpipe_units_committed_total                   counter                   (none)
     ray_specpipe_rows_errored_total                      counter  reason           (none: reason codes of the errors table)
@@ -57,6 +60,9 @@ COUNTERS = {   # name -> (description, extra tag key or None)
     "prefix_cache_queries": ("Prompt tokens of finished rows (prefix reuse looked them up).", None),
     "prefix_cache_hits": ("Prompt tokens whose KV was copied from a slot, not computed.", None),
     "rounds": ("Decoding rounds (one per running sequence per engine step).", None),
+    "forced_tokens": ("Draft tokens forced by a row's grammar (counted in draft tokens too).", None),
+    "forced_accepted_tokens": ("Forced draft tokens accepted.", None),
+    "structured_rows": ("Rows with a response_format completed, by whether the grammar ended them.", "valid"),
     "units_committed": ("Units committed.", None),
     "rows_errored": ("Input rows that could not run, by reason.", "reason"),
 }
@@ -83,6 +89,8 @@ class Tally:
                 c["spec_decode_num_drafts", None] += 1
                 c["spec_decode_num_draft_tokens", None] += r.draft_len
                 c["spec_decode_num_accepted_tokens", None] += r.accepted
+                c["forced_tokens", None] += r.forced
+                c["forced_accepted_tokens", None] += r.forced_accepted
                 for pos, ok in enumerate(r.accepted_mask):
                     if ok:
                         c["spec_decode_num_accepted_tokens_per_pos", str(pos)] += 1
@@ -90,6 +98,8 @@ class Tally:
             c["request_success", done.finish_reason] += 1
             c["prefix_cache_queries", None] += done.prompt_len
             c["prefix_cache_hits", None] += done.prompt_tokens_reused
+            if done.valid is not None:
+                c["structured_rows", str(done.valid).lower()] += 1
         self.running, self.waiting = num_running, num_waiting
 
     def take(self) -> collections.Counter:

@@ -66,6 +66,10 @@ def print_summary(summary: dict, show: int = 3, storage: StorageConfig = Storage
     if s.get("prompt_tokens"):
         print(f"prompt tokens {s['prompt_tokens']}, {s['prompt_tokens_reused']} of them copied from a slot "
               f"holding the same prefix ({100 * s['prefix_reuse_rate']:.1f}%, engine.prefix_reuse)")
+    if s.get("structured"):
+        print(f"records: {s['valid']} of {s['structured']} rows with a response_format are valid "
+              f"({100 * s['valid'] / s['structured']:.1f}%); {s['forced_tokens']} tokens were forced by their "
+              f"grammars ({100 * s['forced_tokens'] / max(1, s['tokens']):.1f}% of all tokens)")
     for line in model_lines(s.get("workers", [])) + engine_lines(s.get("workers", [])):
         print(line)
     print(f"output: {run_url} (manifest.json, _SUCCESS)")

@@ -22,15 +22,17 @@ SERIES = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def _round(draft_len, mask, emitted):
-    return SimpleNamespace(draft_len=draft_len, accepted=sum(mask), accepted_mask=mask, emitted=emitted)
+def _round(draft_len, mask, emitted, forced=0, forced_accepted=0):
+    return SimpleNamespace(draft_len=draft_len, accepted=sum(mask), accepted_mask=mask, emitted=emitted,
+                           forced=forced, forced_accepted=forced_accepted)
 
 
 def test_tally_aggregates_rounds_per_position_and_reasons():
     t = Tally()
-    done = lambda reason, reused: SimpleNamespace(finish_reason=reason, prompt_len=10, prompt_tokens_reused=reused)
-    t.add_step([_round(3, [True, True, False], 3), _round(0, [], 1)], [done("stop", 0)], 2, 5)
-    t.add_step([_round(3, [True, False, False], 2)], [done("length", 9), done("length", 4)], 1, 0)
+    done = lambda reason, reused, valid=None: SimpleNamespace(finish_reason=reason, prompt_len=10,
+                                                              prompt_tokens_reused=reused, valid=valid)
+    t.add_step([_round(3, [True, True, False], 3, 1, 1), _round(0, [], 1)], [done("stop", 0, True)], 2, 5)
+    t.add_step([_round(3, [True, False, False], 2, 2, 1)], [done("length", 9), done("length", 4, False)], 1, 0)
     c = t.take()
     assert (c["rounds", None], c["spec_decode_num_drafts", None]) == (3, 2)      # the empty draft is a round only
     assert (c["spec_decode_num_draft_tokens", None], c["spec_decode_num_accepted_tokens", None]) == (6, 3)
@@ -38,6 +40,8 @@ def test_tally_aggregates_rounds_per_position_and_reasons():
     assert c["generation_tokens", None] == 6 and (t.running, t.waiting) == (1, 0)
     assert (c["request_success", "stop"], c["request_success", "length"]) == (1, 2)
     assert (c["prefix_cache_queries", None], c["prefix_cache_hits", None]) == (30, 13)
+    assert (c["forced_tokens", None], c["forced_accepted_tokens", None]) == (3, 2)
+    assert (c["structured_rows", "true"], c["structured_rows", "false"]) == (1, 1)   # free text: not counted
     assert not t.take()                                                           # taking resets the counts
 
 

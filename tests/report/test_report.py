@@ -201,3 +201,21 @@ def test_notebook_runs_top_to_bottom(tiny_model_dir, ray_head, tmp_path):
     assert f"rows: {summary['rows']}" in outputs and f"tokens: {summary['tokens']}" in outputs
     assert "grouping by ['kind']" in outputs and "unconditional" in outputs and "even" in outputs and "odd" in outputs
     assert outputs.count("image/png") == len(report_plots.FIGURES)
+
+
+def test_per_format_validity_forced_share_and_acceptance():
+    """x: a json_schema row, 2 of its 6 proposed tokens forced (both accepted), 2 of its 4 own drafts
+    accepted, valid; y: free text. Known answers by hand."""
+    rounds = pd.DataFrame(_rounds())
+    rounds["forced"] = [2, 0, 0, 0, 0]
+    rounds["forced_accepted"] = [2, 0, 0, 0, 0]
+    comps = pd.DataFrame(_completions(_rounds()))
+    comps["response_format"] = [json.dumps({"type": "json_schema", "json_schema": {"type": "object"}}), None]
+    comps["valid"] = [True, None]
+    table = st.by_format(comps, rounds)
+    x, y = table.loc[("all", "json_schema")], table.loc[("all", "text")]
+    assert x["rows"] == 1 and x["valid_rate"] == 1.0
+    assert x["forced_share"] == 2 / 4                      # 2 forced of the 3 + 1 tokens x committed
+    assert x["acceptance_rate"] == (2 - 2) / (6 - 2)       # accepted 2 + 0, both of them forced
+    assert x["forced_acceptance"] == 1.0
+    assert y["rows"] == 1 and pd.isna(y["valid_rate"]) and y["acceptance_rate"] == 4 / 5

@@ -166,14 +166,22 @@ def test_quality_flags():
     flags = quality_flags([row("r3", "same"), row("r1", "same"), row("r2", " \n"), row("r4", "", "length"),
                            row("r5", "cut", "length"), row("r6", "x", "context"), row("r7", "  \n", "stop")])
     assert flags["r1"] == {"is_empty": False, "is_truncated": False, "is_duplicate": False, "duplicate_of": None,
-                           "is_kept": True}
+                           "is_invalid": False, "is_kept": True}
     assert flags["r3"]["is_duplicate"] and flags["r3"]["duplicate_of"] == "r1" and not flags["r3"]["is_kept"]
     assert flags["r2"]["is_empty"] and not flags["r7"]["is_duplicate"]        # empty texts are not duplicates
     assert flags["r4"]["is_empty"] and flags["r4"]["is_truncated"]
     assert flags["r5"]["is_truncated"] and flags["r6"]["is_truncated"]
+    records = quality_flags([{**row("r1", "{}"), "valid": True}, {**row("r2", "{\"a\""), "valid": False},
+                             {**row("r3", "prose"), "valid": None}])
+    assert [records[r]["is_invalid"] for r in ("r1", "r2", "r3")] == [False, True, False]
+    assert [records[r]["is_kept"] for r in ("r1", "r2", "r3")] == [True, False, True]
 
 
 # ---- the job on Ray ---------------------------------------------------------------------------------
+COLOR = {"type": "object", "additionalProperties": False, "required": ["color"],
+         "properties": {"color": {"enum": ["red", "green", "blue"]}}}
+
+
 def write_config(tmp_path: Path, model_dir, ray_head, output: str, *storage: str) -> Path:
     seeds = [{"seed_id": "s1", "kind": "q", "text": "Name three colors."},
              {"seed_id": "s2", "kind": "q", "text": "Name three colors."},
@@ -191,7 +199,11 @@ def write_config(tmp_path: Path, model_dir, ray_head, output: str, *storage: str
                {"id": "greedy", "text": "{text}", "temperature": 0.0, "samples": 1, "max_tokens": 2},
                {"id": "stopped", "kinds": ["q"], "text": "Say: {text}", "temperature": 0.0, "samples": 1,
                 "stop": ASCII},
-               {"id": "sampled", "kinds": ["q"], "text": "Tell me more: {text}"}]}}
+               {"id": "sampled", "kinds": ["q"], "text": "Tell me more: {text}"},
+               {"id": "record", "kinds": ["q"], "text": "Pick a color: {text}", "temperature": 0.0, "samples": 1,
+                "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": COLOR}},
+               {"id": "cut", "kinds": ["q"], "text": "Pick: {text}", "temperature": 0.0, "samples": 1,
+                "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": COLOR}}]}}
     for item in storage:
         key, value = item.split("=", 1)
         cfg.setdefault("storage", {})[key] = value
@@ -200,7 +212,7 @@ def write_config(tmp_path: Path, model_dir, ray_head, output: str, *storage: str
     return path
 
 
-EXPECTED_IDS = sorted([f"{s}/greedy/0" for s in ("s1", "s2", "s3")] + [f"{s}/stopped/0" for s in ("s1", "s2", "s3")]
+EXPECTED_IDS = sorted([f"{s}/{t}/0" for s in ("s1", "s2", "s3") for t in ("greedy", "stopped", "record", "cut")]
                       + [f"{s}/sampled/{k}" for s in ("s1", "s2", "s3") for k in (0, 1)])
 
 
@@ -243,7 +255,13 @@ def test_slot_end_to_end(local_slot):
     for r in curated.values():
         assert r["slot"] == SLOT and r["prompt"] and r["is_empty"] == (not r["text"].strip())
         assert r["is_truncated"] == (r["finish_reason"] in ("length", "context"))
-        assert r["is_kept"] == (not (r["is_empty"] or r["is_truncated"] or r["is_duplicate"]))
+        assert r["is_kept"] == (not (r["is_empty"] or r["is_truncated"] or r["is_duplicate"] or r["is_invalid"]))
+        assert r["is_invalid"] == (r["valid"] is False)
+    # records: the template's schema, valid (its grammar ends it in 40 tokens); cut at 2 tokens: invalid
+    for s in ("s1", "s2", "s3"):
+        record = curated[f"{s}/record/0"]
+        assert record["valid"] and json.loads(record["record"])["color"] in ("red", "green", "blue")
+        assert curated[f"{s}/cut/0"]["is_invalid"] and not curated[f"{s}/cut/0"]["is_kept"]
     # crafted: greedy twins, cut at 2 tokens; stop strings at every ASCII character; sampled rows differ
     assert curated["s2/greedy/0"]["text"] == curated["s1/greedy/0"]["text"] != ""
     assert curated["s2/greedy/0"]["is_duplicate"] and curated["s2/greedy/0"]["duplicate_of"] == "s1/greedy/0"
@@ -255,12 +273,14 @@ def test_slot_end_to_end(local_slot):
     summary = json.loads((slot_dir / "summary.json").read_text())
     q = summary["quality"]
     assert (slot_dir / "_SUCCESS").exists() and summary["run_id"] == f"synthetic-{SLOT}"
-    assert q == {"checked": 12, "empty": sum(r["is_empty"] for r in curated.values()),
+    assert q == {"checked": 18, "empty": sum(r["is_empty"] for r in curated.values()),
                  "truncated": sum(r["is_truncated"] for r in curated.values()),
                  "duplicate": sum(r["is_duplicate"] for r in curated.values()),
+                 "invalid": sum(r["is_invalid"] for r in curated.values()),
                  "kept": sum(r["is_kept"] for r in curated.values())}
-    assert summary["rows"] == 13 and summary["errors"] == 1
-    assert f"{q['empty']} empty, {q['truncated']} truncated, {q['duplicate']} duplicates" in stdout
+    assert q["invalid"] >= 3 and summary["rows"] == 19 and summary["errors"] == 1
+    assert (f"{q['empty']} empty, {q['truncated']} truncated, {q['duplicate']} duplicates, "
+            f"{q['invalid']} invalid records") in stdout
 
 
 def test_rerun_of_a_committed_slot_changes_nothing(local_slot, capsys):
@@ -353,7 +373,7 @@ def test_a_run_that_died_is_resumed(local_slot, tiny_model_dir, ray_head, tmp_pa
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
     committed = len(list(markers.glob("*.json")))
-    assert 1 <= committed < 4 and not (tmp_path / "out" / f"slot={SLOT}" / "_SUCCESS").exists()
+    assert 1 <= committed < 5 and not (tmp_path / "out" / f"slot={SLOT}" / "_SUCCESS").exists()
     # another expansion cannot finish the slot (nothing runs) ...
     assert main(["--config", str(config), "--slot", SLOT, "synthetic.samples_per_seed=3"]) == 2
     assert f"slot {SLOT} was started with another seed set/templates/samples (rows-" in capsys.readouterr().err
@@ -363,7 +383,7 @@ def test_a_run_that_died_is_resumed(local_slot, tiny_model_dir, ray_head, tmp_pa
     # ... the same one resumes it
     assert main(["--config", str(config), "--slot", SLOT, "debug.hang_worker_after_steps=0"]) == 0
     said = capsys.readouterr().out
-    assert f"units 4 ({committed} already committed" in said and f"slot {SLOT} committed by run" in said
+    assert f"units 5 ({committed} already committed" in said and f"slot {SLOT} committed by run" in said
     run_dir = tmp_path / "out" / f"slot={SLOT}" / f"synthetic-{SLOT}"
     texts = {c["id"]: c["text"] for c in rows_of((run_dir / "completions").glob("*.parquet"))}
     first = {c["id"]: c["text"] for c in rows_of((local_slot[1] / f"slot={SLOT}" / f"synthetic-{SLOT}"
