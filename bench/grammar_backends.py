@@ -9,6 +9,7 @@ walking a valid record token by token (mask, then consume). Prints one table; me
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import time
@@ -33,7 +34,7 @@ class Llg:
         self.tok = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab = self.tok.vocab_size
         self.cache = {}
-        self.version = llguidance.__version__ if hasattr(llguidance, "__version__") else "?"
+        self.version = importlib.metadata.version("llguidance")
 
     def compile(self, kind, text):
         key = (kind, text)
@@ -68,7 +69,7 @@ class Xgr:
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
         self.vocab = self.info.vocab_size
         self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=True)
-        self.version = xgrammar.__version__ if hasattr(xgrammar, "__version__") else "?"
+        self.version = importlib.metadata.version("xgrammar")
 
     def compile(self, kind, text):
         return (self.compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":")) if kind == "json"

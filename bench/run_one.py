@@ -70,6 +70,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     engine.reset_prefix_cache()           # the warm-up's prompts must not be reused by the timed run
     draft_runner = engine.drafter.draft_runner if engine.drafter is not None else None
     forwarded = (engine.target.num_forward_tokens, draft_runner.num_forward_tokens if draft_runner else 0)
+    grammar_before = engine.grammar_s
     t0 = time.perf_counter()
     done, rounds = _drain(engine, prompts, params, "p")
     wall = time.perf_counter() - t0
@@ -97,7 +98,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             "target_forward_tokens": engine.target.num_forward_tokens - forwarded[0],
             "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0,
             "kernels": loaded.plan_lines(),
-            "num_steps": len(steps), "finish_reasons": [c.finish_reason for c in completions],
+            "num_steps": len(steps), "grammar_s": engine.grammar_s - grammar_before, "finish_reasons": [c.finish_reason for c in completions],
             "constrained": len(constrained), "valid": sum(valid),
             "valid_of_finished": (sum(valid) / sum(c.finish_reason in ("eos", "stop") for c in constrained)
                                   if any(c.finish_reason in ("eos", "stop") for c in constrained) else None),

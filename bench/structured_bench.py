@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-from", default=None, help="take vLLM's runs from an earlier --out JSON (its code "
+                    "and inputs unchanged) instead of running it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dtype = resolve_dtype(args.dtype, "cpu").dtype
@@ -93,7 +95,9 @@ def main() -> None:
                 res = run_config(cfg, "smollm2", pfile, workdir / f"{key}_{rep}.json", common)
                 runs.setdefault(key, []).append(res)
                 print(key, rep, "error" if "error" in res else f"{res['tokens_per_s']:.1f} tok/s", flush=True)
-    if not args.skip_vllm:
+    if args.vllm_from:
+        runs.update({k: v for k, v in json.load(open(args.vllm_from)).items() if k.startswith("vllm")})
+    elif not args.skip_vllm:
         runs.update(run_vllm_all(args, prompts, b4_prompts, formats, workdir, dtype))
     json.dump(runs, open(args.out, "w"))
     print(table(runs, batches))

@@ -139,6 +139,8 @@ class SpecEngine:
                                           draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
+        self.grammar_s = 0.0             # seconds in grammar work (masks, forced tokens, walks; with the
+                                         # `none` drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -279,9 +281,11 @@ class SpecEngine:
         generators = [s.rng.draft for s in batch]
         walk = None
         if any(s.guide is not None for s in batch):
+            t_grammar = time.perf_counter()
             walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
             guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch], generators,
                                     walk, self.drafting.forced_tokens)
+            self.grammar_s += time.perf_counter() - t_grammar
         else:
             found = self.drafter.propose(batch, lengths, generators)
             zeros = [0] * len(batch)
@@ -310,7 +314,9 @@ class SpecEngine:
         logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
         for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
             s.num_computed += len(toks)
+        t_grammar = time.perf_counter()
         allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
+        self.grammar_s += time.perf_counter() - t_grammar
         out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
         return out, time.perf_counter() - t0
 
@@ -349,7 +355,9 @@ class SpecEngine:
         for b, seq in enumerate(batch):
             g, k = drafts.num_draft[b], out.num_accepted[b]
             tokens = out.output_ids[b][:k + 1]
+            t_grammar = time.perf_counter()
             may_stop = walk.settle(b, k, tokens[-1]) if seq.guide is not None else None
+            self.grammar_s += time.perf_counter() - t_grammar
             emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
             mask = is_accepted[cu[b]:cu[b + 1]]

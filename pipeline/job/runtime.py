@@ -5,6 +5,7 @@ itself knows nothing about configs, files or tokenisers.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
@@ -16,6 +17,8 @@ from ..engine.model.slots import choose_max_num_seqs
 from ..loading.hardware import DtypeChoice, resolve_dtype
 from ..loading.models import ModelSpec, check_vocab_compatible, load_model, model_id
 from .config import SAME, ModelsConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +94,8 @@ def grammars_for(tokenizer, vocab_size: int, eos: list[int]) -> Grammars | None:
     it, a row asking for a format becomes an error row saying so."""
     try:
         return Grammars.from_hf(tokenizer, vocab_size, eos)
-    except ValueError:
+    except Exception as e:  # noqa: BLE001 -- free-text rows must still run
+        log.warning("no response_format support for this tokenizer: %s", e)
         return None
 
 

@@ -21,6 +21,7 @@ from llguidance._tokenizer import TokenizerWrapper
 import pipeline.engine.engine as engine_module
 from conftest import make_engine, noisy_copy, tiny_llama
 from pipeline.engine import SamplingParams
+from pipeline.engine.core.sampling import bitmask_to_bool
 from pipeline.engine.grammar.library import Grammars
 from references import reference_probs
 from test_end_to_end_distribution import chi2_pvalue
@@ -132,7 +133,7 @@ def test_verifying_against_the_unmasked_target_is_caught(models, grammars, monke
     def unrenormalised(logits, seqs, extra, argmax_only=False, allowed=None):
         if argmax_only or allowed is None:
             return row_probs(logits, seqs, extra, argmax_only, allowed)
-        return row_probs(logits, seqs, extra) * allowed
+        return row_probs(logits, seqs, extra) * bitmask_to_bool(allowed, logits.shape[-1])
 
     monkeypatch.setattr(engine_module, "row_probs", unrenormalised)
     kind, params = CASES["ngram"]

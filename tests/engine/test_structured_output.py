@@ -219,3 +219,23 @@ def test_no_grammars_no_format(models, tokenizer):
     engine = make_engine(models[0], "none", None, max_num_seqs=2, max_model_len=64)
     with pytest.raises(RequestError, match="no grammar support"):
         engine.add_request("x", [1, 2], SamplingParams(response_format=FORMATS[3]))
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 49152])
+def test_bitmask_kernel_equals_its_definition(vocab):
+    """The compiled kernel (or its fallback) sets exactly the tokens whose bit is 0 to -inf, tokens
+    past the mask's words included."""
+    from pipeline.engine.core.sampling import _apply_bitmask_torch, apply_bitmask_, bitmask_to_bool
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    words = (min(vocab, 64) + 31) // 32 if vocab == 70 else (vocab + 31) // 32     # 70: two words short
+    bits = torch.randint(-2**31, 2**31 - 1, (5, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0] = -1
+    bits[1] = 0
+    fast, slow = logits.clone(), logits.clone()
+    apply_bitmask_(fast, bits)
+    _apply_bitmask_torch(slow, bits)
+    allowed = bitmask_to_bool(bits, vocab)
+    assert torch.equal(fast, slow) and torch.equal(torch.isinf(fast), ~allowed)
+    assert torch.equal(fast[allowed], logits[allowed])
+    assert not torch.isinf(fast[0]).any() if vocab <= 32 * words else torch.isinf(fast[0, 32 * words:]).all()

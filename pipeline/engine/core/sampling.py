@@ -102,28 +102,69 @@ def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return logits
 
 
-def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Forbidden tokens (allowed [rows, vocab] False) to -inf."""
-    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+def bitmask_to_bool(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bit masks (bit t % 32 of word t // 32 allows token t) -> [rows, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed[:, :vocab]
+
+
+def _apply_bitmask_torch(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    logits.masked_fill_(~bitmask_to_bool(bits, logits.shape[-1]), float("-inf"))
+
+
+_bitmask_kernel = None
+
+
+def apply_bitmask_(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    """Forbidden tokens of float32 logits [rows, vocab] to -inf, in place; bits [rows, words] int32
+    on the logits' device. The kernel is llguidance's (compiled by inductor on first use, ~5 s on
+    CPU, one pass over the rows: ~0.15 ms for 32 x 49,152 where masked_fill takes ~4 ms); where
+    it cannot compile, the same result in plain torch."""
+    global _bitmask_kernel
+    if _bitmask_kernel is None:
+        try:
+            from llguidance.torch import apply_token_bitmask_inplace
+            probe = torch.zeros(1, 64, device=logits.device)
+            apply_token_bitmask_inplace(probe, torch.tensor([[1, 0]], dtype=torch.int32, device=logits.device))
+            if not (probe[0, 0] == 0 and torch.isinf(probe[0, 1:]).all()):
+                raise RuntimeError("the kernel's result differs from the definition")
+            _bitmask_kernel = apply_token_bitmask_inplace
+        except Exception:  # noqa: BLE001 -- no compiler, no triton: the plain path is exact too
+            _bitmask_kernel = _apply_bitmask_torch
+    _bitmask_kernel(logits, bits)
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
+    """Forbidden tokens (allowed: [rows, words] int32 bit masks) to -inf; `source` (the caller's
+    logits) is never written."""
+    if allowed is None:
+        return logits
+    if logits.data_ptr() == source.data_ptr():
+        logits = logits.clone()
+    apply_bitmask_(logits, allowed)
+    return logits
 
 
 def greedy_tokens(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
                   prompt_counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] argmax of the penalised, masked logits: what greedy rows of processed_probs are one-hot on."""
-    logits = logits.float()
+    source, logits = logits, logits.float()
     if rp.has_penalties:
         logits = apply_penalties(logits, rp, output_counts, prompt_counts)
-    return _masked(logits, allowed).argmax(dim=-1)
+    return _masked(logits, allowed, source).argmax(dim=-1)
 
 
 def processed_probs(logits: torch.Tensor, rp: RowParams, output_counts: torch.Tensor | None = None,
                     prompt_counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits [rows, vocab] (any float dtype) -> probabilities [rows, vocab] float32. `allowed`
-    [rows, vocab] bool: a grammar's mask (None: every token allowed)."""
-    logits = logits.float()
+    [rows, words] int32: the rows' grammar bit masks (None: every token allowed)."""
+    source, logits = logits, logits.float()
     if rp.has_penalties:
         logits = apply_penalties(logits, rp, output_counts, prompt_counts)
-    logits = _masked(logits, allowed)
+    logits = _masked(logits, allowed, source)
     greedy_choice = logits.argmax(dim=-1) if rp.any_greedy else None      # [rows]
     temp = torch.where(rp.is_greedy, torch.ones_like(rp.temperature), rp.temperature)
     logits = logits / temp.unsqueeze(1)

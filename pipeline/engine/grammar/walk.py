@@ -6,21 +6,14 @@ Position i of sequence b is the state after its committed tokens and the first i
 mask there restricts both the draft's q for proposal i (a draft model drafts under it) and the
 target's p for target row i. A mask is computed at most once per position and round.
 
-Masks travel as int32 bit words (bit t % 32 of word t // 32 allows token t) and become a bool
-[rows, vocab] tensor on the model's device where logits are masked (`unpack`).
+Masks travel as int32 bit words (bit t % 32 of word t // 32 allows token t), to the model's device
+as they are, where core/sampling.py applies them to the logits.
 """
 from __future__ import annotations
 
 import torch
 
 from .library import Guide
-
-
-def unpack(bits: torch.Tensor, vocab: int, device) -> torch.Tensor:
-    """[rows, words] int32 bit masks -> [rows, vocab] bool (True: allowed)."""
-    bits = bits.to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
 
 
 class RoundWalk:
@@ -74,18 +67,18 @@ class RoundWalk:
         return taken
 
     def allowed(self, rows: list[int], device) -> torch.Tensor | None:
-        """[len(rows), vocab] bool masks of sequences `rows` at their current positions (all True for
-        unconstrained ones); None when none of them is constrained."""
+        """[len(rows), words] int32 masks of sequences `rows` at their current positions (all bits set
+        for unconstrained ones), on `device`; None when none of them is constrained."""
         if not any(self.is_constrained(b) for b in rows):
             return None
         bits = torch.full((len(rows), self.words), -1, dtype=torch.int32)
         for i, b in enumerate(rows):
             if self.is_constrained(b):
                 bits[i] = self.mask(b)
-        return unpack(bits, self.vocab, device)
+        return bits.to(device)
 
     def target_allowed(self, num_draft: list[int], device) -> torch.Tensor:
-        """[sum(g_b + 1), vocab] bool masks for the target's rows, in the verifier's order (rows of
+        """[sum(g_b + 1), words] int32 masks for the target's rows, in the verifier's order (rows of
         sequence b: positions 0..g_b). A position past a proposed token the grammar refused (kept for
         a certain rejection, see drafting/guided.py) repeats the last mask: that row is never used."""
         bits = torch.full((sum(g + 1 for g in num_draft), self.words), -1, dtype=torch.int32)
@@ -96,7 +89,7 @@ class RoundWalk:
                 for i in range(g + 1):
                     bits[r + i] = self.masks[b][min(i, self.depth[b])]
             r += g + 1
-        return unpack(bits, self.vocab, device)
+        return bits.to(device)
 
     def settle(self, b: int, num_accepted: int, final: int | None) -> list[bool]:
         """Back to the committed tokens: undo the walked tokens past the accepted ones, consume the
