@@ -363,9 +363,9 @@ class SpecEngine:
             mask = is_accepted[cu[b]:cu[b + 1]]
             ahead, own = guided.num_ahead[b], guided.num_own[b]
             forced_rows = [i for i in range(g) if i < ahead or i >= ahead + own]
-            forced_accepted = sum(1 for i in forced_rows if i < min(k, emitted))
+            forced_accepted = sum(1 for i in forced_rows if i < k)            # as `accepted` counts them
             self.policy.update(seq, own, max(0, min(k - ahead, own)))
-            seq.num_forced += forced_accepted
+            seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
             rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,
                                       verify_s, self.num_steps, len(forced_rows), forced_accepted))
             seq.num_rounds += 1
