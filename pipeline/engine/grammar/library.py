@@ -61,6 +61,10 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self.words = (vocab_size + 31) // 32            # int32 words per mask
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.eos_ids = set(tokenizer.eos_tokens)
+        self.eos_only = torch.zeros(self.words, dtype=torch.int32)     # the mask past an EOS: EOS alone
+        for t in self.eos_ids:
+            self.eos_only[t >> 5] |= torch.tensor(1 << (t & 31)).to(torch.int32)
         self.num_compiled = 0
 
     @classmethod
@@ -90,7 +94,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, self.compile(fmt), log_level=0)
         if matcher.is_error():
             raise _error(fmt, matcher.get_error())
-        return Guide(matcher, self.words, self.tokenizer.eos_tokens)
+        return Guide(matcher, self.eos_ids, self.eos_only)
 
 
 class Guide:
@@ -100,11 +104,8 @@ class Guide:
     past is kept here, not in the matcher (which does not count it as a token it can roll back); past
     it only EOS is allowed."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher", words: int, eos_ids: list[int]):
-        self.matcher, self.words, self.eos_ids = matcher, words, set(eos_ids)
-        self._eos_only = torch.zeros(words, dtype=torch.int32)
-        for t in self.eos_ids:
-            self._eos_only[t >> 5] |= torch.tensor(1 << (t & 31)).to(torch.int32)
+    def __init__(self, matcher: "llguidance.LLMatcher", eos_ids: set[int], eos_only: torch.Tensor):
+        self.matcher, self.eos_ids, self._eos_only = matcher, eos_ids, eos_only   # eos_only: Grammars', shared
         self.num_eos = 0                     # EOS tokens walked past the matcher's last token
 
     def fill_mask(self, out: torch.Tensor) -> None:
@@ -114,13 +115,6 @@ class Guide:
             out.copy_(self._eos_only)
         else:
             self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-
-    def num_allowed(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` the grammar allows from here (nothing is consumed)."""
-        n = 0 if self.num_eos else self.matcher.validate_tokens(list(tokens)) if tokens else 0
-        while n < len(tokens) and tokens[n] in self.eos_ids and (self.num_eos or self.matcher.is_accepting()):
-            n += 1
-        return n
 
     def consume(self, tokens: list[int]) -> None:
         for token in tokens:
