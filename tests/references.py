@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 from pipeline.engine.core.request import SamplingParams
 
@@ -26,3 +27,22 @@ def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         probs /= probs.sum()
     return probs
 
+
+
+def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> float:
+    """Chi-square p-value of outcome counts against exact probabilities; outcomes expected fewer than
+    5 times are pooled into one cell, and an outcome of probability 0 fails outright."""
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for seq, prob in exact.items():
+        if prob * n >= 5:
+            observed.append(counts.get(seq, 0))
+            expected.append(prob * n)
+        else:
+            pooled_obs += counts.get(seq, 0)
+            pooled_exp += prob * n
+    assert sum(v for s, v in counts.items() if exact.get(s, 0.0) == 0.0) == 0, "impossible continuation"
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    expected = np.array(expected) * (n / sum(expected))
+    return float(stats.chisquare(observed, expected).pvalue)

@@ -12,12 +12,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from conftest import make_engine, noisy_copy, tiny_llama
 from pipeline.engine import SamplingParams
 from pipeline.engine.core.verify import SparseProbs
-from references import reference_probs
+from references import chi2_pvalue, reference_probs
 
 VOCAB, LENGTH, N, ALPHA = 8, 3, 30_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
@@ -32,23 +31,6 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
         step[prefix] = reference_probs(logits.double().numpy(), params)
     return {seq: float(np.prod([step[seq[:i]][seq[i]] for i in range(LENGTH)]))
             for seq in itertools.product(range(VOCAB), repeat=LENGTH)}
-
-
-def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> float:
-    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
-    for seq, prob in exact.items():
-        if prob * n >= 5:
-            observed.append(counts.get(seq, 0))
-            expected.append(prob * n)
-        else:
-            pooled_obs += counts.get(seq, 0)
-            pooled_exp += prob * n
-    assert sum(v for s, v in counts.items() if exact.get(s, 0.0) == 0.0) == 0, "impossible continuation"
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    expected = np.array(expected) * (n / sum(expected))
-    return float(stats.chisquare(observed, expected).pvalue)
 
 
 @pytest.fixture(scope="module")

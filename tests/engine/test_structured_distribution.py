@@ -24,7 +24,7 @@ from pipeline.engine import SamplingParams
 from pipeline.engine.core.sampling import bitmask_to_bool
 from pipeline.engine.grammar.library import Grammars
 from references import reference_probs
-from test_end_to_end_distribution import chi2_pvalue
+from references import chi2_pvalue
 
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
 EOS, VOCAB, LENGTH, N, ALPHA = 0, 8, 5, 20_000, 1e-5

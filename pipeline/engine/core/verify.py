@@ -46,16 +46,25 @@ class VerifyOutput:
     num_accepted: torch.Tensor   # [num_seqs] int64: accepted draft tokens per sequence
     output_ids: torch.Tensor     # [num_seqs, max_draft + 1] int64: accepted + recovered/bonus, -1 padded
     is_accepted: torch.Tensor    # [num_draft_tokens] bool: per draft position, accepted or not
-                                 # (positions after the first rejection are False)
+                                 # (positions after the first rejection are False; trees: on the accepted path)
+    path: torch.Tensor | None = None   # trees (core/verify_tree.py): [num_seqs, max_depth] int64 the
+                                       # accepted tokens' indices among the row's draft tokens, -1 padded
 
     def to_host(self) -> "HostVerifyOutput":
-        """The step's one device-to-host readback: the three tensors packed into one int64 buffer."""
+        """The step's one device-to-host readback: the tensors packed into one int64 buffer."""
         num_seqs, width = self.output_ids.shape
-        packed = torch.cat([self.num_accepted.long(), self.output_ids.reshape(-1).long(),
-                            self.is_accepted.long()]).tolist()
+        parts = [self.num_accepted.long(), self.output_ids.reshape(-1).long(), self.is_accepted.long()]
+        if self.path is not None:
+            parts.append(self.path.reshape(-1).long())
+        packed = torch.cat(parts).tolist()
         ids = packed[num_seqs:num_seqs + num_seqs * width]
+        end = num_seqs + num_seqs * width + len(self.is_accepted)
+        path = None
+        if self.path is not None:
+            depth = self.path.shape[1]
+            path = [packed[end + b * depth:end + (b + 1) * depth] for b in range(num_seqs)]
         return HostVerifyOutput(packed[:num_seqs], [ids[b * width:(b + 1) * width] for b in range(num_seqs)],
-                                [bool(a) for a in packed[num_seqs + num_seqs * width:]])
+                                [bool(a) for a in packed[num_seqs + num_seqs * width:end]], path)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class HostVerifyOutput:
     num_accepted: list[int]
     output_ids: list[list[int]]
     is_accepted: list[bool]
+    path: list[list[int]] | None = None
 
 
 @dataclass
