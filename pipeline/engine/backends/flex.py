@@ -19,6 +19,10 @@ mask is built from per-slot tensors with a few vectorised ops (no Python per row
 a millisecond per step; the per-slot start positions reach the mask through an argument, which keeps
 one compiled graph for every runner and every step (dynamic in the number of query rows).
 
+Token trees (kv/layout.py's TreeRows): the mask also reads each query's visibility bits over its
+row's inputs, and only the blocks wholly before a slot's start count as full (a tree's inputs see
+some of the earlier inputs of their step, not all). A separate compiled function takes the bits.
+
 FlexAttention needs torch.compile: inductor's C++ kernel on CPU, Triton on CUDA. `flex_unavailable`
 says why a device cannot take this path; the caller then keeps the eager one.
 
@@ -54,11 +58,12 @@ def capacity(max_len: int) -> int:
 
 
 def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tensor, num_slots: int,
-                 max_q: int, num_kv_blocks: int) -> tuple[torch.Tensor, ...]:
+                 max_q: int, num_kv_blocks: int, tree: bool = False) -> tuple[torch.Tensor, ...]:
     """Per-slot tables for BlockMask.from_kv_blocks, from the step's rows (slots[b] gets num_new[b]
     query rows at positions starts[b]...): (partial counts, partial indices, full counts, full
     indices, start of each slot), each [num_slots, 1, num_q_blocks(, num_kv_blocks)] int32 except
-    the starts ([num_slots] int64). Slots without a row get no block at all."""
+    the starts ([num_slots] int64). Slots without a row get no block at all. tree: a step with
+    token trees (only the blocks before each start are full)."""
     device = starts.device
     slot_start = torch.zeros(num_slots, dtype=torch.long, device=device).index_copy_(0, slots, starts)
     slot_new = torch.zeros(num_slots, dtype=torch.long, device=device).index_copy_(0, slots, num_new)
@@ -66,7 +71,8 @@ def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tenso
     live = q0 < slot_new.unsqueeze(1)                                          # block has a real query
     first_q = slot_start.unsqueeze(1) + q0                                     # its first query position
     end_q = slot_start.unsqueeze(1) + torch.minimum(q0 + BLOCK, slot_new.unsqueeze(1))   # past its last
-    full = torch.where(live, (first_q + 1) // BLOCK, 0)                        # blocks 0..full-1 are full
+    seen = slot_start.unsqueeze(1) if tree else first_q + 1                    # keys every query sees
+    full = torch.where(live, seen // BLOCK, 0)                                 # blocks 0..full-1 are full
     upto = torch.where(live, -(-end_q // BLOCK), 0)                            # partial: full..upto-1
     kv = torch.arange(num_kv_blocks, device=device)
     partial_idx = (full.unsqueeze(-1) + kv).clamp(max=num_kv_blocks - 1)
@@ -86,6 +92,25 @@ def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slo
                                     compute_q_blocks=False)
     return flex_attention(query * scale, key, value, block_mask=mask, scale=1.0,
                           enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _attend_tree(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, slot_bits,
+                 scale: torch.Tensor):
+    """_attend for a step with token trees: slot_bits [num_slots, max_q] int64 each query's bits."""
+    def tree_causal(b, h, q, kv):
+        rel = kv - slot_start[b]
+        named = ((slot_bits[b, q] >> rel.clamp(0, 62)) & 1) == 1
+        return (kv <= slot_start[b] + q) & ((rel < 0) | (rel > 62) | named)
+    mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
+                                    mask_mod=tree_causal, seq_lengths=(query.shape[2], key.shape[2]),
+                                    compute_q_blocks=False)
+    return flex_attention(query * scale, key, value, block_mask=mask, scale=1.0,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+@lru_cache(maxsize=None)
+def compiled_attend_tree():
+    return torch.compile(_attend_tree, dynamic=True)
 
 
 @lru_cache(maxsize=None)
@@ -119,13 +144,19 @@ def _scale_tensor(scale: float, dtype: torch.dtype, device: torch.device) -> tor
 
 def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor,
                         token_slot: torch.Tensor, token_q: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                        max_q: int, scale: float | None) -> torch.Tensor:
+                        max_q: int, scale: float | None, token_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for packed queries [1, heads, num_tokens, dim] (token t is row token_q[t] of slot
-    token_slot[t]) over the whole slot store. Returns the packed output [1, num_tokens, heads, dim]."""
+    token_slot[t]) over the whole slot store; token_bits [num_tokens]: a tree step's visibility bits
+    (tables built with tree=True). Returns the packed output [1, num_tokens, heads, dim]."""
     _, num_heads, _, head_dim = query.shape
     num_slots = key_store.shape[0]
     rows = query.new_zeros(num_slots, max_q, num_heads, head_dim)
     rows[token_slot, token_q] = query[0].transpose(0, 1)
     scale = _scale_tensor(head_dim ** -0.5 if scale is None else scale, query.dtype, query.device)
-    out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
+    if token_bits is None:
+        out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
+    else:
+        slot_bits = torch.full((num_slots, max_q), -1, dtype=torch.long, device=query.device)
+        slot_bits[token_slot, token_q] = token_bits
+        out = compiled_attend_tree()(rows.transpose(1, 2), key_store, value_store, *tables, slot_bits, scale)
     return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)

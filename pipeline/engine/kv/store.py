@@ -56,12 +56,19 @@ class SlotKVCache(Cache):
         for buf in (*self.keys, *self.values):
             buf[dst, :, :n].copy_(buf[src, :, :n])
 
+    def move_positions(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV of position src[i] of slot slots[i] to position dst[i] of the same slot, every layer: a
+        token tree's accepted path made contiguous (one gather of every source, then the writes, so a
+        destination that is another move's source is read before it is overwritten)."""
+        for buf in (*self.keys, *self.values):
+            buf[slots, :, dst] = buf[slots, :, src]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write packed key/value [1, kv_heads, num_tokens, head_dim] at each token's slot and position;
         return the keys and values each row attends to: [batch, kv_heads, kv_len, head_dim]."""
         lay = self.layout
         slot_t = lay.slots[lay.token_row]                                      # [num_tokens]
-        pos_t = lay.position_ids[lay.token_row, lay.token_q]                   # [num_tokens]
+        pos_t = lay.token_write_pos                                            # [num_tokens]
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
         k_buf[slot_t, :, pos_t] = key_states[0].transpose(0, 1).to(k_buf.dtype)   # [num_tokens, kv_heads, dim]
         v_buf[slot_t, :, pos_t] = value_states[0].transpose(0, 1).to(v_buf.dtype)

@@ -33,10 +33,12 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     batch, max_q = lay.is_valid.shape
     if lay.kernel is not None:
         out = lay.kernel(query[0].transpose(0, 1), key, value, lay.row_table,
-                             query.shape[-1] ** -0.5 if scaling is None else scaling)
+                         query.shape[-1] ** -0.5 if scaling is None else scaling,
+                         lay.tree.token_bits if lay.tree is not None else None)
         return out.unsqueeze(0), None                                          # [1, num_tokens, heads, dim]
     if lay.flex is not None:
-        return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling), None
+        return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling,
+                                   lay.tree.token_bits if lay.tree is not None else None), None
     if lay.split is not None:
         return _split_attention(query, key, value, (attention_mask, lay.rest_mask), lay.split, max_q, scaling), None
     tokens = query[0].transpose(0, 1)                                          # [num_tokens, heads, dim]

@@ -20,6 +20,7 @@ from ..backends.cpu.linear import can_pack, pack_linears, panel_linears
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
+from ..core.tree import is_chain
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
@@ -108,27 +109,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
-                logits: str = "all") -> torch.Tensor | None:
+                logits: str = "all", parents: list[list[int] | None] | None = None) -> torch.Tensor | None:
         """Compute KV for tokens[b] at positions starts[b]... of slot slots[b]. Returns float logits for
         every real token in row order ([sum(len), vocab]), for the last token of each row
-        ([rows, vocab]), or None (logits="none": prefill)."""
+        ([rows, vocab]), or None (logits="none": prefill). parents[b]: row b is a token tree, its
+        first token the root and the rest draft tokens with these parents (core/tree.py: RoPE at
+        start + depth, each token attending to its ancestors only); then `move_path` keeps one path."""
         num_new = [len(t) for t in tokens]
         kernel = self.cpu_attention
-        bucket = self.graphs.bucket(starts, num_new, logits) if self.graphs is not None else None
+        if parents is not None and all(p is None or is_chain(p) for p in parents):
+            parents = None
+        bucket = (self.graphs.bucket(starts, num_new, logits, tree=parents is not None)
+                  if self.graphs is not None else None)
         if bucket is not None:
-            out = self.graphs.forward(bucket, slots, starts, tokens)
+            out = self.graphs.forward(bucket, slots, starts, tokens, parents)
             self.num_forward_tokens += sum(num_new)
             return out.float()
         if self.decoder is not None:
-            out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, kernel=kernel), logits)
+            out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, kernel=kernel,
+                                                   parents=parents), logits)
             self.num_forward_tokens += sum(num_new)
             return None if out is None else out.float()
         flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
             [s + n for s, n in zip(starts, num_new)], self.device)))
-        lay = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel)
+        lay = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents)
         if flex:
             lay.flex = block_tables(lay.slots, lay.row_table[1], lay.row_table[2], self.cache.num_slots,
-                                    lay.is_valid.shape[1], self.cache.max_len // BLOCK)
+                                    lay.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
         # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
         keep = 0 if logits == "all" else (lay.row_ends if logits == "last" else lay.row_ends[:1])   # "none": HF needs >= 1
@@ -148,6 +155,21 @@ class ModelRunner:
                          **{self.cache_kwarg: self.cache})
         self.cache.layout = None
         return out.logits[0]
+
+    def move_path(self, slots: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """After a tree step: row b's accepted path, the inputs paths[b] (increasing, past the root),
+        gets its KV at positions starts[b] + 1, + 2, ... (contiguous after the root); the rest of the
+        tree is left past the computed length (rolled back as a length). Counts no forwarded token."""
+        src, dst, row_slots = [], [], []
+        for slot, start, path in zip(slots, starts, paths):
+            for j, inp in enumerate(path, start=1):
+                if inp != j:
+                    row_slots.append(slot)
+                    src.append(start + inp)
+                    dst.append(start + j)
+        if src:
+            as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+            self.cache.move_positions(as_t(row_slots), as_t(src), as_t(dst))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot `dst` gets slot `src`'s KV for positions [0, n): a shared prompt prefix, copied instead of

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ...core.tree import visible_inputs
+from ...kv.layout import visible
 from .build import choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
@@ -46,29 +48,33 @@ class CpuAttention:
         self._fns = {}
         for dtype, name in FUNCTIONS.items():
             fn = getattr(self._lib, name)
-            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
 
     def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
-                 row_table: torch.Tensor, scale: float) -> torch.Tensor:
+                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
         """query [num_tokens, heads, dim]; k_store/v_store [num_slots, kv_heads, cap, dim] fp32 or
         bf16; row_table [4, rows] int64 (slot, start, num_new, first packed token per row). Returns
         the attention output [num_tokens, heads, dim] in the query's dtype (computed in fp32). Row
         r's token i (position start + i) sees keys 0 .. start + i of its slot; those must already
-        hold this step's keys."""
+        hold this step's keys. bits [num_tokens] int64 (token trees, kv/layout.py's TreeRows): of
+        the keys start .. start + 62 a token sees only those whose bit (key - start) is set."""
         fn = self._fns.get(k_store.dtype)
         if fn is None or v_store.dtype != k_store.dtype:
             raise ValueError(f"cpu attention: stores {k_store.dtype} / {v_store.dtype}: expected both fp32 or bf16")
         q32 = query.float().contiguous()
         num_slots, kv_heads, cap, dim = k_store.shape
         heads = query.shape[1]
-        for t in (k_store, v_store, row_table):
+        for t in (k_store, v_store, row_table) + ((bits,) if bits is not None else ()):
             if not t.is_contiguous():
-                raise ValueError("cpu attention: store and row table must be contiguous")
+                raise ValueError("cpu attention: store, row table and bits must be contiguous")
+        if bits is not None and (bits.dtype != torch.long or bits.shape != (query.shape[0],)):
+            raise ValueError(f"cpu attention: bits {tuple(bits.shape)} {bits.dtype}: expected [num_tokens] int64")
         out = torch.empty_like(q32)
         status = fn(q32.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(),
-                    row_table.data_ptr(), row_table.shape[1], kv_heads, heads // kv_heads, cap, dim,
+                    row_table.data_ptr(), None if bits is None else bits.data_ptr(), row_table.shape[1],
+                    kv_heads, heads // kv_heads, cap, dim,
                     float(scale), torch.get_num_threads())
         if status != 0:
             raise MemoryError("cpu attention: the kernel could not allocate its scratch memory"
@@ -77,7 +83,7 @@ class CpuAttention:
 
 
 def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, row_table: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention in plain torch, one row at a time (the kernel's specification and check),
     in fp32 whatever the store's dtype, returned in the query's."""
     out_dtype, query = query.dtype, query.float()
@@ -89,7 +95,10 @@ def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
         v = v_store[slot, :, :start + n].repeat_interleave(groups, 0)
         q = query[first:first + n].transpose(0, 1)                             # [heads, n, dim]
         scores = (q @ k.transpose(1, 2)) * scale                               # [heads, n, len]
-        future = torch.arange(start + n) > (start + torch.arange(n)).unsqueeze(1)
+        future = torch.arange(start + n) > (start + torch.arange(n)).unsqueeze(1)       # [n, len]
+        if bits is not None:
+            future |= ~visible(torch.arange(start + n), start + torch.arange(n).unsqueeze(1), torch.tensor(start),
+                               bits[first:first + n].unsqueeze(1))
         out[first:first + n] = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1)
     return out.to(out_dtype)
 
@@ -105,11 +114,14 @@ def _self_check(kernel: CpuAttention) -> None:
         firsts = [0, 5, 6]
         table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
         query = torch.randn(sum(num_new), 2 * groups, dim, generator=gen)
-        got = kernel(query, k_store, v_store, table, dim ** -0.5)
-        want = reference(query, k_store, v_store, table, dim ** -0.5)
-        err = (got - want).abs().max().item()
-        if not err < 1e-4:
-            raise RuntimeError(f"self-check failed: max difference {err:.2e} from the torch reference")
+        # the first row a token tree (root, 0 <- root, 1 <- root, 2 <- 0, 3 <- 2): masked by its bits
+        tree = torch.tensor(visible_inputs([-1, -1, 0, 2]) + [-1] * 4, dtype=torch.long)
+        for bits in (None, tree):
+            got = kernel(query, k_store, v_store, table, dim ** -0.5, bits)
+            want = reference(query, k_store, v_store, table, dim ** -0.5, bits)
+            err = (got - want).abs().max().item()
+            if not err < 1e-4:
+                raise RuntimeError(f"self-check failed: max difference {err:.2e} from the torch reference")
 
 
 @lru_cache(maxsize=None)

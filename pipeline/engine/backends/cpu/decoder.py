@@ -196,6 +196,7 @@ class CpuDecoder:
         residual = self.embed(lay.input_ids)[0]                               # [tokens, hidden]
         cos, sin = (t[0] for t in self.rotary(residual, position_ids=positions))
         head_dim = cache.keys[0].shape[-1]
+        bits = lay.tree.token_bits if lay.tree is not None else None
         last = len(self.layers) - 1
         h = ops.rms_norm(residual, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)
         for i, layer in enumerate(self.layers):
@@ -205,7 +206,7 @@ class CpuDecoder:
             q = ops.rope_store(q, k, v, cos, sin, lay.row_table, cache.keys[i], cache.values[i])
             if i == last and logits == "none":
                 return None                   # the rest of the last layer feeds only the logits
-            a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale)
+            a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale, bits)
             a = self._linear(a.to(self.dtype).view(a.shape[0], -1), layer.o_proj)
             h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps)
             m = self._mlp(layer, h)

@@ -17,12 +17,14 @@ A graph fixes shapes and addresses, so a step is padded to a bucket:
             positions more than max_model_len, so these never run off its end
   pad row   rows past the step's real ones: the spare slot (the store has one more than the engine
             uses), positions 0 .. q - 1; only pad rows read it
-  buffers   one static int64 device buffer per bucket (input ids, slots, positions, each row's last
-            packed token), filled by one host-to-device copy per step; the logits land in one output
+  buffers   one static int64 device buffer per bucket (input ids, the row table, positions, each row's
+            last packed token; a tree bucket also each token's KV position and visibility bits),
+            filled by one host-to-device copy per step; the logits land in one output
             buffer shared by every graph, so a captured graph keeps no vocabulary-sized tensor
 
 Attention inside a graph is the padded path of kv_cache.slot_attention, its float mask built in the
-graph from the positions: static shapes, no host sync. Prefill (logits "none") and steps past the
+graph from the positions: static shapes, no host sync. A step with token trees (kv/layout.py's
+TreeRows) has buckets of its own, whose mask also reads the rows' starts and the tokens' bits. Prefill (logits "none") and steps past the
 largest bucket run eagerly, as do all steps where graphs are off.
 
 Each bucket is captured on first use, after one uncaptured run of the same padded forward on the same
@@ -48,7 +50,8 @@ from typing import Callable
 import torch
 
 from pipeline.engine.config import MODES
-from pipeline.engine.kv.layout import StepLayout, attention_masks
+from pipeline.engine.core.tree import depths, visible_inputs
+from pipeline.engine.kv.layout import StepLayout, TreeRows, attention_masks
 
 UNCAPTURED = "uncaptured"  # a runner's mode, not a config value: the padded forward without capture (CPU tests)
 MAX_Q = 8                 # tokens per row in a graph: a verify step of up to 7 draft tokens
@@ -75,6 +78,7 @@ class Bucket:
     q: int            # tokens per row
     keys: int         # key positions each row reads
     logits: str       # "all" | "last"
+    tree: bool = False   # a step with token trees
 
     @property
     def tokens(self) -> int:
@@ -87,21 +91,26 @@ class _BucketState:
     def __init__(self, bucket: Bucket, spare_slot: int, device: torch.device):
         rows, q = bucket.rows, bucket.q
         self.bucket = bucket
-        # [input ids (rows*q) | slots (rows) | positions (rows*q) | last packed token of each row (rows)]
-        self.sizes = [rows * q, rows, rows * q, rows]
+        # [input ids (rows*q) | row table (4*rows: slot, start, q, first packed token) | positions (rows*q) |
+        #  last packed token of each row (rows) | tree buckets: KV positions (rows*q), bits (rows*q)]
+        self.sizes = [rows * q, 4 * rows, rows * q, rows] + ([rows * q] * 2 if bucket.tree else [])
         self.buffer = torch.cat([torch.zeros(rows * q, dtype=torch.long),
-                                 torch.full((rows,), spare_slot, dtype=torch.long),
+                                 torch.full((rows,), spare_slot, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                                 torch.full((rows,), q, dtype=torch.long), torch.arange(rows) * q,
                                  torch.arange(q).repeat(rows),
-                                 torch.arange(rows) * q + q - 1]).to(device)
-        input_ids, slots, positions, row_ends = self.buffer.split(self.sizes)
+                                 torch.arange(rows) * q + q - 1]
+                                + ([torch.arange(q).repeat(rows), torch.full((rows * q,), -1)] if bucket.tree else [])
+                                ).to(device)
+        input_ids, row_table, positions, row_ends, *tree = self.buffer.split(self.sizes)
+        row_table = row_table.view(4, rows)
         token_row = torch.arange(rows, device=device).repeat_interleave(q)
         self.layout = StepLayout(
-            input_ids=input_ids.unsqueeze(0), slots=slots,
-            row_table=torch.zeros(4, rows, dtype=torch.long, device=device),   # read by the CPU kernel only
+            input_ids=input_ids.unsqueeze(0), slots=row_table[0], row_table=row_table,
             row_ends=row_ends, position_ids=positions.view(rows, q),
             is_valid=torch.ones(rows, q, dtype=torch.bool, device=device),
             token_row=token_row, token_q=torch.arange(q, device=device).repeat(rows),
-            kv_len=bucket.keys, slot_range=None)
+            kv_len=bucket.keys, slot_range=None,
+            tree=TreeRows(tree[0].view(rows, q), tree[1].view(rows, q), tree[0], tree[1]) if tree else None)
         self.replay: Callable[[], None] | None = None      # set once captured and checked
 
 
@@ -161,8 +170,8 @@ class StepGraphs:
         """Positions per slot: max_model_len, plus room for the pad tokens of a row that ends there."""
         return max_model_len + MAX_Q - 1
 
-    def bucket(self, starts: list[int], num_new: list[int], logits: str) -> Bucket | None:
-        """The bucket this step pads to, or None when it takes the eager path."""
+    def bucket(self, starts: list[int], num_new: list[int], logits: str, tree: bool = False) -> Bucket | None:
+        """The bucket this step pads to, or None when it takes the eager path. tree: the step has token trees."""
         if not self.enabled or logits not in ("all", "last") or len(num_new) > self.max_rows:
             return None
         q = max(num_new)
@@ -172,25 +181,34 @@ class StepGraphs:
         rows = min(rows, self.max_rows)
         keys = min(max(MIN_KEYS, 1 << (max(s + n for s, n in zip(starts, num_new)) - 1).bit_length()),
                    self.store_len)
-        return Bucket(rows, q, keys, logits)
+        return Bucket(rows, q, keys, logits, tree)
 
-    def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
+                parents: list[list[int] | None] | None = None) -> torch.Tensor:
         """Logits of the step (as the eager forward returns them: every real token in row order for
-        "all", each real row's last token for "last"), from the bucket's graph."""
+        "all", each real row's last token for "last"), from the bucket's graph. parents: the rows'
+        token trees (kv/layout.py's make_layout), for a tree bucket."""
         state = self._states.get(bucket)
         if state is None:
             state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
         rows, q = bucket.rows, bucket.q
         pad_rows = rows - len(slots)
-        ids, positions, real = [], [], []
+        ids, positions, real, write_pos, bits = [], [], [], [], []
         for b, (start, row) in enumerate(zip(starts, tokens)):
             ids += row + [row[-1]] * (q - len(row))
-            positions += range(start, start + q)
+            tree = parents[b] if parents is not None else None
+            offsets = [0] + depths(tree) if tree is not None else []
+            positions += [start + (offsets[i] if i < len(offsets) else i) for i in range(q)]
+            write_pos += range(start, start + q)
+            bits += (visible_inputs(tree) if tree is not None else []) + [-1] * (q - (len(tree) + 1 if tree else 0))
             real += range(b * q, b * q + len(row)) if bucket.logits == "all" else [b]
         ids += [0] * (pad_rows * q)
         positions += list(range(q)) * pad_rows
         row_ends = [b * q + len(row) - 1 for b, row in enumerate(tokens)] + [b * q + q - 1 for b in range(len(tokens), rows)]
-        host = torch.tensor(ids + slots + [self.spare_slot] * pad_rows + positions + row_ends + real, dtype=torch.long)
+        table = (slots + [self.spare_slot] * pad_rows + starts + [0] * pad_rows + [q] * rows
+                 + [b * q for b in range(rows)])
+        tree_part = write_pos + list(range(q)) * pad_rows + bits + [-1] * (pad_rows * q) if bucket.tree else []
+        host = torch.tensor(ids + table + positions + row_ends + tree_part + real, dtype=torch.long)
         staged = host.to(self.device)
         fixed = state.buffer.numel()
         state.buffer.copy_(staged[:fixed])

@@ -11,7 +11,10 @@
  *   q, out       [num_tokens, heads, dim]          fp32, packed new tokens, row after row
  *   k_store/v    [num_slots, kv_heads, cap, dim]   fp32 or bf16, the slot store (kv_cache.SlotKVCache)
  *   rows         [4, num_rows] int64               slot, start, num_new, first packed token of each row
- * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot. The query
+ *   bits         [num_tokens] int64 or NULL        token trees: the row's inputs each token sees
+ * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot; with bits,
+ * of the keys start .. start + 62 only those whose bit (key - start) is set (a token tree's root,
+ * the token's ancestors and itself; -1: all, a causal row). The query
  * heads sharing a KV head (heads = kv_heads * groups) are one task's queries: the task (row, kv
  * head) streams that head's keys and values once for all of them.
  *
@@ -91,7 +94,8 @@ static float softmax_numerators(float *x, int64_t m) {
 #define QBLOCK 32                                         /* tokens of one row per task, at most */
 #define ATTEND(NAME, DIM, KV, LOADKV)                                                                  \
 static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int64_t tok_stride,      \
-                 int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim) {         \
+                 int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim,           \
+                 const int64_t *bits, int64_t base) {                                                 \
     const KV *K = Kv, *V = Vv;                                                                         \
     (void)dim;                                                                                         \
     int64_t stride = p0 + n + 8;                          /* one query's scores in s */                \
@@ -127,10 +131,18 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
                 s[i * stride + l] = t * scale;                                                         \
             }                                                                                          \
         }                                                                                              \
+        uint64_t hidden[QB];              /* tree rows: the row's inputs this query must not see */    \
+        for (int i = 0; i < QB; i++) {                                                                 \
+            hidden[i] = bits ? ~(uint64_t)bits[(j0 + (i < nq ? i : nq - 1)) / groups] : 0;             \
+            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
+                if ((hidden[i] >> (l - base)) & 1) s[i * stride + l] = -FLT_MAX;                       \
+        }                                                                                              \
         float inv[QB];                                                                                 \
         for (int i = 0; i < QB; i++) {                                                                 \
             float *si = s + i * stride;                                                                \
             inv[i] = 1.0f / softmax_numerators(si, mq[i]);                                             \
+            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
+                if ((hidden[i] >> (l - base)) & 1) si[l] = 0.0f;   /* exactly 0 in p V (the sum: ~1e-38) */ \
             for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;                                          \
         }                                                                                              \
         for (int c0 = 0; c0 < DIM / 8; c0 += OUT_CHUNKS) {                                             \
@@ -158,11 +170,11 @@ ATTEND(attend_128_bf16, 128, uint16_t, load8_bf16)
 ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, float *, int64_t, int64_t, int64_t,
-                          int64_t, float, float *, int64_t);
+                          int64_t, float, float *, int64_t, const int64_t *, int64_t);
 
 static int run(const float *q, const char *k_store, const char *v_store, int64_t elem_size, float *out,
-               const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
-               int64_t dim, float scale, int num_threads) {
+               const int64_t *rows, const int64_t *bits, int64_t num_rows, int64_t kv_heads, int64_t groups,
+               int64_t cap, int64_t dim, float scale, int num_threads) {
     if (dim % 8 != 0 || dim > 8 * MAX_CHUNKS) return -2;
     const int64_t *slot = rows, *start = rows + num_rows, *num_new = rows + 2 * num_rows,
                   *first = rows + 3 * num_rows;
@@ -189,7 +201,7 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
         attend_fn attend = elem_size == 4 ? (dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any)
                                           : (dim == 64 ? attend_64_bf16 : dim == 128 ? attend_128_bf16 : attend_any_bf16);
         attend(q + qo, k_store + kv * elem_size, v_store + kv * elem_size, out + qo, heads * dim, n,
-               start[r] + t0, groups, scale, s, dim);
+               start[r] + t0, groups, scale, s, dim, bits ? bits + first[r] + t0 : NULL, start[r]);
         free(s);
     }
     free(block_end);
@@ -197,15 +209,15 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
 }
 
 int slot_attention_f32(const float *q, const float *k_store, const float *v_store, float *out,
-                       const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
-                       int64_t dim, float scale, int num_threads) {
-    return run(q, (const char *)k_store, (const char *)v_store, sizeof(float), out, rows, num_rows, kv_heads,
+                       const int64_t *rows, const int64_t *bits, int64_t num_rows, int64_t kv_heads,
+                       int64_t groups, int64_t cap, int64_t dim, float scale, int num_threads) {
+    return run(q, (const char *)k_store, (const char *)v_store, sizeof(float), out, rows, bits, num_rows, kv_heads,
                groups, cap, dim, scale, num_threads);
 }
 
 int slot_attention_bf16kv(const float *q, const uint16_t *k_store, const uint16_t *v_store, float *out,
-                          const int64_t *rows, int64_t num_rows, int64_t kv_heads, int64_t groups, int64_t cap,
-                          int64_t dim, float scale, int num_threads) {
-    return run(q, (const char *)k_store, (const char *)v_store, sizeof(uint16_t), out, rows, num_rows, kv_heads,
+                          const int64_t *rows, const int64_t *bits, int64_t num_rows, int64_t kv_heads,
+                          int64_t groups, int64_t cap, int64_t dim, float scale, int num_threads) {
+    return run(q, (const char *)k_store, (const char *)v_store, sizeof(uint16_t), out, rows, bits, num_rows, kv_heads,
                groups, cap, dim, scale, num_threads);
 }
