@@ -32,7 +32,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 # the two cores are shared with other processes.
 torch.set_num_threads(1)
 
-from pipeline.engine import DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, NgramDrafter, SamplingParams, SpecEngine, SuffixDrafter, SuffixParams
+from pipeline.engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, NgramDrafter, SamplingParams,
+                             SpecEngine, SuffixDrafter, SuffixParams, TreeParams)
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.engine.model.runner import build_runner, cache_kwarg
 
@@ -83,14 +84,14 @@ def noisy_copy(model, noise: float, seed: int = 1):
 
 def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3,
                  compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
-                 cpu_decoder: str = "auto", cuda_graphs: str = "auto"):
+                 cpu_decoder: str = "auto", cuda_graphs: str = "auto", tree: TreeParams = TreeParams()):
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter(min_n, max_n)
+        return NgramDrafter(min_n, max_n, tree=tree)
     if kind in ("suffix", "suffix-greedy"):   # min_match 1 (like min_n): tiny random models rarely repeat 2-grams
         return SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy" if kind == "suffix-greedy"
-                                          else "probabilistic"))
+                                          else "probabilistic"), tree=tree)
     method = "probabilistic" if kind in ("draft-prob", "hybrid-suffix-prob") else "greedy"
     model_drafter = DraftModelDrafter(build_runner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
                                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear,
@@ -103,16 +104,17 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
-                forced_tokens=True):
+                forced_tokens=True, tree: TreeParams = TreeParams()):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: our panel kernel
     (cpu_linear="auto", cpu_linear.py), else oneDNN-packed weights. The forward: one loop over those
     kernels where they are all in use (cpu_decoder="auto", cpu_decoder.py), else the model's modules.
     CUDA graphs (cuda_graphs.py): auto captures them on CUDA; "uncaptured" runs their padded, bucketed
-    forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path."""
+    forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path.
+    tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0)."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
-                           cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs)
+                           cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                        compile=compile, prefix_reuse=prefix_reuse,
                        cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
@@ -122,7 +124,8 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
                                    cuda_graphs=cuda_graphs),
                       drafter, cfg, list(eos), decode,
-                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive, forced_tokens=forced_tokens),
+                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive, forced_tokens=forced_tokens,
+                                              tree=tree),
                       grammars=grammars)
 
 

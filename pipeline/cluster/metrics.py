@@ -91,9 +91,8 @@ class Tally:
                 c["spec_decode_num_accepted_tokens", None] += r.accepted
                 c["forced_tokens", None] += r.forced
                 c["forced_accepted_tokens", None] += r.forced_accepted
-                for pos, ok in enumerate(r.accepted_mask):
-                    if ok:
-                        c["spec_decode_num_accepted_tokens_per_pos", str(pos)] += 1
+                for pos in range(r.accepted):           # the accepted ones lead (a tree: its path's depths)
+                    c["spec_decode_num_accepted_tokens_per_pos", str(pos)] += 1
         for done in finished:
             c["request_success", done.finish_reason] += 1
             c["prefix_cache_queries", None] += done.prompt_len

@@ -42,12 +42,11 @@ class Recorder:
             self.stats["rows"] += 1
 
     def round_row(self, r: RoundRecord, uid: str) -> dict:
-        rejected = [i for i, ok in enumerate(r.accepted_mask) if not ok]
         return {"id": r.request_id, "round": r.round, "draft_len": r.draft_len, "accepted": r.accepted,
                 "emitted": r.emitted, "accepted_mask": list(r.accepted_mask),
-                "first_rejected": rejected[0] if rejected else None, "batch_size": r.batch_size,
+                "first_rejected": r.first_rejected, "batch_size": r.batch_size,
                 "draft_s": r.draft_s, "verify_s": r.verify_s, "step": r.step, "forced": r.forced,
-                "forced_accepted": r.forced_accepted, "worker": self.worker, "unit": uid}
+                "forced_accepted": r.forced_accepted, "paths": r.paths, "worker": self.worker, "unit": uid}
 
     def completion_row(self, c: Completion, unit: Unit, index: int, latency: float) -> dict:
         n = len(c.output_ids)

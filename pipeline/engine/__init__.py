@@ -1,5 +1,5 @@
 """The speculative decoding engine. See engine.py for the round and the glossary."""
-from .config import DraftingConfig, EngineConfig, SuffixParams
+from .config import DraftingConfig, EngineConfig, SuffixParams, TreeParams
 from .core.request import RequestError, SamplingParams
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.draft_model import DraftModelDrafter
@@ -12,4 +12,4 @@ from .model.runner import ModelRunner
 
 __all__ = ["Completion", "DraftBatch", "Drafter", "DraftingConfig", "DraftModelDrafter", "EngineConfig",
            "HybridDrafter", "Kernels", "ModelRunner", "NgramDrafter", "NoDrafter", "RequestError", "RoundRecord",
-           "SamplingParams", "SpecEngine", "StepOutput", "SuffixDrafter", "SuffixParams"]
+           "SamplingParams", "SpecEngine", "StepOutput", "SuffixDrafter", "SuffixParams", "TreeParams"]

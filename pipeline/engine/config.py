@@ -17,6 +17,8 @@ DRAFTER_KINDS = ("none", "ngram", "suffix", "draft", "hybrid")
 DRAFT_MODEL_KINDS = ("draft", "hybrid")     # the drafters that run a draft model
 HYBRID_PROPOSERS = ("ngram", "suffix")
 SAMPLE_METHODS = ("greedy", "probabilistic")
+MAX_TREE_TOKENS = 62            # a token tree's draft tokens per row: with its root, 63 inputs, whose
+                                # visibility bits fit one non-negative int64 (core/tree.py)
 
 
 def _int_at_least(key: str, value, low: int) -> None:
@@ -84,6 +86,21 @@ class SuffixParams:
         one_of(f"{key}sample_method", self.sample_method, SAMPLE_METHODS)
 
 
+@dataclass(frozen=True)
+class TreeParams:
+    """Token trees from the suffix and n-gram drafters (drafting/trees.py): several candidate
+    continuations per row, verified in one forward."""
+    max_tokens: int = 0               # draft tokens per row in a tree, at most (0: a single path); its depth
+                                      # is at most num_speculative_tokens; adaptive: sized per step by cost
+    max_branches: int = 4             # continuations offered per token, at most
+
+    def __post_init__(self):
+        if not (isinstance(self.max_tokens, int) and 0 <= self.max_tokens <= MAX_TREE_TOKENS):
+            raise ConfigError(f"drafting.tree.max_tokens: expected an integer in [0, {MAX_TREE_TOKENS}], "
+                              f"got {self.max_tokens!r}")
+        _int_at_least("drafting.tree.max_branches", self.max_branches, 1)
+
+
 @dataclass
 class DraftingConfig:
     """What proposes draft tokens and how many."""
@@ -95,6 +112,7 @@ class DraftingConfig:
     ngram_min: int = 2                       # shortest suffix n-gram looked up
     ngram_max: int = 4                       # longest suffix n-gram looked up
     suffix: SuffixParams = field(default_factory=SuffixParams)   # method suffix (or hybrid's first part)
+    tree: TreeParams = field(default_factory=TreeParams)         # methods ngram and suffix: token trees
     forced_tokens: bool = True               # rows with a response_format: propose the tokens their grammar
                                              # forces as drafts at no draft cost (any method, none included)
 

@@ -11,6 +11,8 @@ Glossary (used throughout the engine):
             ahead of or after the drafter's own at no draft cost (drafting/guided.py)
   mask      the tokens a row's grammar allows at a position; p and q are masked and renormalised
             (core/sampling.py), so the output is distributed as the target restricted to the grammar
+  tree      a draft of several candidate continuations (core/tree.py), verified in one forward
+            (core/verify_tree.py); the accepted path's KV is moved next to the committed tokens
 
 The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. Rows
 with a response_format also walk their grammar through the round's proposal (grammar/walk.py):
@@ -37,7 +39,9 @@ from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
+from .core.tree import children, num_leaves
 from .core.verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
+from .core.verify_tree import verify_tree, verify_tree_greedy
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
@@ -61,6 +65,15 @@ class RoundRecord:
     step: int = 0                    # engine step index (rounds of one step share it)
     forced: int = 0                  # of draft_len: forced by the row's grammar, not drafted
     forced_accepted: int = 0         # of accepted: forced ones
+    paths: int = 0                   # root-to-leaf paths in the draft: 1 a single path, more a token tree
+                                     # (draft_len its size, accepted the depth of its accepted path)
+    rejected: bool = False           # a draft token after the accepted ones was rejected (the round's last
+                                     # token was recovered, not a bonus)
+
+    @property
+    def first_rejected(self) -> int | None:
+        """The draft position (a tree: the depth) of the rejection, or None when there was none."""
+        return self.accepted if self.rejected else None
 
 
 @dataclass
@@ -223,8 +236,9 @@ class SpecEngine:
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
         cfg = self.config
+        drafting = self.drafting       # a token tree verifies up to tree.max_tokens per row
         self.costs.calibrate(self.target, self.drafter.draft_runner, cfg.max_num_seqs,
-                             self.drafting.num_speculative_tokens, cfg.max_model_len, repeats)
+                             max(drafting.num_speculative_tokens, drafting.tree.max_tokens), cfg.max_model_len, repeats)
 
     @property
     def _lazy_draft(self) -> bool:
@@ -288,6 +302,8 @@ class SpecEngine:
             self.grammar_s += time.perf_counter() - t_grammar
         else:
             found = self.drafter.propose(batch, lengths, generators)
+            if found.is_tree and self.drafting.adaptive and found.draft_probs is None:
+                found = found.truncated(self.policy.tree_sizes(found.scores))
             zeros = [0] * len(batch)
             guided = GuidedDraft(found, zeros, list(found.num_draft), zeros)
         guided.drafts = guided.drafts.to(self.target.device)
@@ -300,8 +316,9 @@ class SpecEngine:
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
         drafting = self.drafting
-        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch]) if drafting.adaptive
-                  else [drafting.num_speculative_tokens] * len(batch))
+        trees = drafting.tree.max_tokens and drafting.free_method == drafting.method   # sized after proposing
+        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
+                  if drafting.adaptive and not trees else [drafting.num_speculative_tokens] * len(batch))
         return [max(0, min(g, self._room(s))) for g, s in zip(wanted, batch)]
 
     def _verify(self, batch: list[Sequence], drafts: DraftBatch,
@@ -311,13 +328,17 @@ class SpecEngine:
         the phase's seconds."""
         t0 = time.perf_counter()
         inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
-        logits = self.target.forward([s.slot for s in batch], [s.num_computed for s in batch], inputs)
+        starts = [s.num_computed for s in batch]
+        logits = self.target.forward([s.slot for s in batch], starts, inputs, parents=drafts.parents)
         for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
             s.num_computed += len(toks)
         t_grammar = time.perf_counter()
         allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
         self.grammar_s += time.perf_counter() - t_grammar
         out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
+        if drafts.is_tree:                                  # the accepted paths' KV next to the committed
+            self.target.move_path([s.slot for s in batch], starts,
+                                  [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
         return out, time.perf_counter() - t0
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
@@ -327,12 +348,21 @@ class SpecEngine:
         grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
+        if drafts.is_tree:                              # a tree row's prefix: the path to the token
+            prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
+        tree = (torch.tensor([p for b in range(len(batch)) for p in drafts.parents_of(b)], dtype=torch.long,
+                             device=logits.device) if drafts.is_tree else None)
         if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
-            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft,
-                                 row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed))
+            argmax = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed)
+            if tree is not None:
+                return verify_tree_greedy(drafts.draft_ids, drafts.cu_num_draft, tree, argmax)
+            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft, argmax)
         p = row_probs(logits, row_seqs, prefixes, allowed=allowed)      # [num_draft + num_seqs, vocab]
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
         is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
+        if tree is not None:
+            return verify_tree(drafts.draft_ids, drafts.cu_num_draft, tree, p, drafts.draft_probs, is_greedy,
+                               accept_u, sample_u)
         return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
                       accept_u, sample_u)
 
@@ -364,10 +394,18 @@ class SpecEngine:
             ahead, own = guided.num_ahead[b], guided.num_own[b]
             forced_rows = [i for i in range(g) if i < ahead or i >= ahead + own]
             forced_accepted = sum(1 for i in forced_rows if i < k)            # as `accepted` counts them
-            self.policy.update(seq, own, max(0, min(k - ahead, own)))
+            if drafts.is_tree:          # a rejection: the accepted path ends where the tree goes on
+                rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
+                self.policy.update(seq, k + int(rejected), k)
+                self.policy.observe_tree(sum(drafts.scores[b]), k)
+            else:
+                rejected = k < g
+                self.policy.update(seq, own, max(0, min(k - ahead, own)))
             seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
+            paths = num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0)
             rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,
-                                      verify_s, self.num_steps, len(forced_rows), forced_accepted))
+                                      verify_s, self.num_steps, len(forced_rows), forced_accepted, paths,
+                                      rejected))
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k
@@ -405,3 +443,12 @@ class SpecEngine:
             if on_step is not None:
                 on_step(out)
         return done
+
+
+def _path_prefixes(parents: list[int], inputs: list[int]) -> list[list[int]]:
+    """Per input of a tree row (root first), the draft tokens of its path: what the penalties count as
+    generated this round before the token the row's distribution is for."""
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(parents):
+        paths.append(paths[p + 1] + [inputs[i + 1]])
+    return paths

@@ -40,17 +40,18 @@ COMPLETIONS = pa.schema([
 ROUNDS = pa.schema([
     ("id", pa.string()),
     ("round", pa.int32()),
-    ("draft_len", pa.int32()),
-    ("accepted", pa.int32()),
+    ("draft_len", pa.int32()),                 # draft tokens verified (a token tree: its size)
+    ("accepted", pa.int32()),                  # of them accepted (a tree: the depth of the accepted path)
     ("emitted", pa.int32()),
-    ("accepted_mask", pa.list_(pa.bool_())),   # per draft position
-    ("first_rejected", pa.int32()),            # index of the first rejected draft; null if none
+    ("accepted_mask", pa.list_(pa.bool_())),   # per draft position (a tree: on the accepted path)
+    ("first_rejected", pa.int32()),            # index (a tree: depth) of the rejected draft; null if none
     ("batch_size", pa.int32()),
     ("draft_s", pa.float64()),                 # the step's draft phase
     ("verify_s", pa.float64()),                # the step's verify phase
     ("step", pa.int64()),
     ("forced", pa.int32()),                    # of draft_len: forced by the row's grammar, not drafted
     ("forced_accepted", pa.int32()),           # of accepted: forced ones
+    ("paths", pa.int32()),                     # root-to-leaf paths of the draft: 1 a single path, more a tree
     ("worker", pa.string()),
     ("unit", pa.string()),
 ])

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
-                      NgramDrafter, SpecEngine, SuffixDrafter)
+                      NgramDrafter, SpecEngine, SuffixDrafter, TreeParams)
 from ..engine.config import AUTO
 from ..engine.grammar.library import Grammars
 from ..engine.model.hf_config import reject_unsupported
@@ -100,10 +100,12 @@ def grammars_for(tokenizer, vocab_size: int, eos: list[int]) -> Grammars | None:
 
 
 def free_drafter(drafting: DraftingConfig, kind: str, device: str) -> NgramDrafter | SuffixDrafter:
-    """The model-free drafter `kind` (ngram | suffix), alone or as hybrid's first part."""
+    """The model-free drafter `kind` (ngram | suffix), alone (with token trees where configured) or as
+    hybrid's first part (single paths: the model's part drafts paths)."""
+    tree = drafting.tree if drafting.method == kind else TreeParams()
     if kind == "suffix":
-        return SuffixDrafter(drafting.suffix, device=device)
-    return NgramDrafter(drafting.ngram_min, drafting.ngram_max, device=device)
+        return SuffixDrafter(drafting.suffix, device=device, tree=tree)
+    return NgramDrafter(drafting.ngram_min, drafting.ngram_max, device=device, tree=tree)
 
 
 def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

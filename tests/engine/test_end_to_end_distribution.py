@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import make_engine, noisy_copy, tiny_llama
-from pipeline.engine import SamplingParams
+from pipeline.engine import SamplingParams, TreeParams
+from pipeline.engine.core.tree import is_chain
 from pipeline.engine.core.verify import SparseProbs
 from references import chi2_pvalue, reference_probs
 
@@ -55,7 +56,12 @@ CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel
     "suffix-greedy": ("suffix-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
     "hybrid-suffix": ("hybrid-suffix", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
     "hybrid-suffix-prob": ("hybrid-suffix-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
+    # token trees (at most 6 tokens, 3 branches, depth 2) from the suffix index and n-gram lookup:
+    # several one-hot candidates per position, tried in turn with the residual updated between them
+    "suffix-tree": ("suffix+tree", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
+    "ngram-tree": ("ngram+tree", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
 }
+TREE = TreeParams(max_tokens=6, max_branches=3)
 
 
 def run_case(models, kind, params, flex=False, wrong_q=False):
@@ -63,14 +69,17 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
     whose q had more than one token). wrong_q: the mutant that verifies sampled suffix drafts
     against a uniform q over each row's support instead of the counts they were drawn from."""
     target, draft = models
+    kind, tree = kind.removesuffix("+tree"), kind.endswith("+tree")
     engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2,
-                         compile="on" if flex else "off", cpu_attention="off" if flex else "on")
-    spread = [0]
+                         compile="on" if flex else "off", cpu_attention="off" if flex else "on",
+                         tree=TREE if tree else TreeParams())
+    spread, trees = [0], [0]
     if engine.drafter is not None:
         propose = engine.drafter.propose
 
         def observed(*args):
             batch = propose(*args)
+            trees[0] += sum(len(p) > 0 and not is_chain(p) for p in batch.parents) if batch.is_tree else 0
             q = batch.draft_probs
             if isinstance(q, SparseProbs):
                 spread[0] += int((torch.bincount(q.row) > 1).sum())
@@ -93,6 +102,8 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
             key = tuple(c.output_ids)
             counts[key] = counts.get(key, 0) + 1
     assert sum(counts.values()) == N
+    if tree:
+        assert trees[0] > 1000, "the case must draft trees with more than one path"
     return counts, accepted, drafted, spread[0]
 
 

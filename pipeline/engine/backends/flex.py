@@ -94,13 +94,17 @@ def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slo
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
-def _attend_tree(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, slot_bits,
+def _attend_tree(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, slot_sees,
                  scale: torch.Tensor):
-    """_attend for a step with token trees: slot_bits [num_slots, max_q] int64 each query's bits."""
+    """_attend for a step with token trees: slot_sees [num_slots * max_q * max_q] bool, whether query q
+    of slot b sees the slot's input j at (b * max_q + q) * max_q + j (one flat lookup: inductor's CPU
+    template mis-compiled bit tests and multi-dimensional lookups by q in a mask_mod)."""
+    width = query.shape[2]
+
     def tree_causal(b, h, q, kv):
         rel = kv - slot_start[b]
-        named = ((slot_bits[b, q] >> rel.clamp(0, 62)) & 1) == 1
-        return (kv <= slot_start[b] + q) & ((rel < 0) | (rel > 62) | named)
+        named = slot_sees[(b * width + q) * width + rel.clamp(0, width - 1)]
+        return (kv <= slot_start[b] + q) & ((rel < 0) | (rel >= width) | named)
     mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
                                     mask_mod=tree_causal, seq_lengths=(query.shape[2], key.shape[2]),
                                     compute_q_blocks=False)
@@ -156,7 +160,8 @@ def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_stor
     if token_bits is None:
         out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
     else:
-        slot_bits = torch.full((num_slots, max_q), -1, dtype=torch.long, device=query.device)
-        slot_bits[token_slot, token_q] = token_bits
-        out = compiled_attend_tree()(rows.transpose(1, 2), key_store, value_store, *tables, slot_bits, scale)
+        inputs = torch.arange(max_q, device=query.device)
+        sees = torch.ones(num_slots, max_q, max_q, dtype=torch.bool, device=query.device)   # causal rows: all
+        sees[token_slot, token_q] = ((token_bits.unsqueeze(1) >> inputs.clamp(max=62)) & 1 == 1) | (inputs > 62)
+        out = compiled_attend_tree()(rows.transpose(1, 2), key_store, value_store, *tables, sees.view(-1), scale)
     return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)

@@ -19,8 +19,10 @@ A single path is the tree whose parents are -1, 0, 1, ... (`is_chain`).
 """
 from __future__ import annotations
 
-MAX_INPUTS = 63              # a row's inputs (root + draft tokens): their visibility bits fit one
-MAX_TREE_TOKENS = MAX_INPUTS - 1   # non-negative int64
+from ..config import MAX_TREE_TOKENS
+
+MAX_INPUTS = MAX_TREE_TOKENS + 1   # a row's inputs (root + draft tokens): their visibility bits fit one
+                                   # non-negative int64
 
 
 def chain(n: int) -> list[int]:

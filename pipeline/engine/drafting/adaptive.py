@@ -153,6 +153,7 @@ class AdaptiveDraftLength:
         self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
         self._engine_stats = [0.0, 0.0]                # all sequences: [accepted, rejections] (decayed)
         self._drafted = 0                              # draft tokens verified, all time
+        self.tree_ratio = [0.5, 1.0]                   # trees: [accepted depth, estimated] (decayed sums)
 
     @property
     def has_evidence(self) -> bool:
@@ -195,6 +196,34 @@ class AdaptiveDraftLength:
             if rate > best_rate * 1.0001:
                 best_g, best_rate = g, rate
         return best_g
+
+    @property
+    def tree_calibration(self) -> float:
+        """c: accepted depth per unit of estimated accepted length, observed over recent tree rounds."""
+        return self.tree_ratio[0] / self.tree_ratio[1]
+
+    def observe_tree(self, estimated: float, accepted: int, decay: float = 0.98) -> None:
+        if estimated > 0:
+            self.tree_ratio = [self.tree_ratio[0] * decay + accepted, self.tree_ratio[1] * decay + estimated]
+
+    def tree_sizes(self, scores: list[list[float]]) -> list[int]:
+        """Tokens to keep of each row's tree (module docstring); rows' scores non-increasing."""
+        batch = len(scores)
+        if not self.costs.is_calibrated or not batch:
+            return [len(s) for s in scores]
+        ranked = sorted(((s, b, i) for b, row in enumerate(scores) for i, s in enumerate(row)),
+                        key=lambda t: (-t[0], t[1], t[2]))
+        c = self.tree_calibration
+        best_m, best_rate, expected = 0, batch / self.costs.verify_cost(batch), float(batch)
+        for m, (s, _, _) in enumerate(ranked, start=1):
+            expected += c * s
+            rate = expected / self.costs.verify_cost(batch + m)
+            if rate > best_rate * 1.0001:
+                best_m, best_rate = m, rate
+        keep = [0] * batch
+        for _, b, _ in ranked[:best_m]:
+            keep[b] += 1
+        return keep
 
     def catch_up_pays(self, alpha: float, g: int, batch_size: int, lag: int, remaining: int) -> bool:
         """Whether building `lag` positions of draft KV pays for itself over `remaining` tokens: per

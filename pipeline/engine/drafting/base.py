@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.prefix import Reuse
+from ..core.tree import chain, is_chain
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
 from ..grammar.walk import GuideView
@@ -31,26 +32,53 @@ class DraftBatch:
     cu_num_draft: torch.Tensor           # [num_seqs + 1] int64
     draft_probs: torch.Tensor | SparseProbs | None   # q: [num_draft_tokens, vocab] dense, sparse, or None: all one-hot
     proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
+    parents: list[list[int]] | None = None   # token trees (core/tree.py): per sequence its tokens' parents,
+                                             # listed best-first (drafting/trees.py); None: single paths
+    scores: list[list[float]] | None = None  # trees: each token's estimated path probability
 
     @classmethod
-    def from_lists(cls, proposals: list[list[int]], device, probs=None) -> "DraftBatch":
+    def from_lists(cls, proposals: list[list[int]], device, probs=None, parents: list[list[int]] | None = None,
+                   scores: list[list[float]] | None = None) -> "DraftBatch":
         num = [len(p) for p in proposals]
         flat = [t for p in proposals for t in p]
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
+        if parents is not None and all(is_chain(p) for p in parents):
+            parents = scores = None
         return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs,
-                   [list(p) for p in proposals])
+                   [list(p) for p in proposals], parents, scores)
 
     def to(self, device) -> "DraftBatch":
         move = lambda t: None if t is None else t.to(device)
         return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
-                          self.proposals)
+                          self.proposals, self.parents, self.scores)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def parents_of(self, b: int) -> list[int]:
+        """Sequence b's parents (a single path's where the batch holds no tree)."""
+        return self.parents[b] if self.parents is not None else chain(self.num_draft[b])
+
+    def truncated(self, keep: list[int]) -> "DraftBatch":
+        """Each tree's first keep[b] tokens (one-hot trees only: the best subtree of that size, as
+        drafting/trees.py lists them)."""
+        if self.draft_probs is not None:
+            raise ValueError("truncating a tree with q rows: only one-hot trees are listed best-first")
+        if self.parents is None:
+            return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device)
+        return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
+                                     [p[:k] for p, k in zip(self.parents, keep)],
+                                     [s[:k] for s, k in zip(self.scores, keep)])
 
     def tokens(self, b: int) -> list[int]:
         return self.proposals[b]
 
     def spliced(self, ahead: list[list[int]], keep: list[int], trailing: list[list[int]]) -> "DraftBatch":
         """Sequence b's proposal becomes ahead[b] + its first keep[b] tokens + trailing[b]; the
-        added tokens are one-hot rows of q (None stays None: every row one-hot)."""
+        added tokens are one-hot rows of q (None stays None: every row one-hot). Single paths only."""
+        if self.parents is not None:
+            raise ValueError("a token tree cannot be spliced: drafts under a grammar are single paths")
         device = self.draft_ids.device
         proposals = [a + p[:k] + t for a, p, k, t in zip(ahead, self.proposals, keep, trailing)]
         out = DraftBatch.from_lists(proposals, device)
@@ -129,7 +157,9 @@ class Drafter(Protocol):
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
                 generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
-        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b].
+        """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b]. A
+        drafter configured for token trees (suffix, n-gram) may return a tree per sequence instead,
+        lengths[b] its depth at most (DraftBatch.parents), where no guide is given.
         With a guide (rows constrained by a grammar): seqs[b]'s draft continues after the forced
         tokens guide.ahead(b); a drafter that draws from a spread q masks it with guide.allowed and
         reports each token with guide.advance. Token-only drafters need do neither: the engine cuts

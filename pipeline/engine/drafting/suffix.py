@@ -34,6 +34,14 @@ the target itself spreads over continuations the index has seen (several samples
 prompt): acceptance is then sum_y min(p(y), q(y)) instead of p(most frequent y). Greedy sequences
 keep the most-frequent walk, one-hot q.
 
+Token trees (`drafting.tree.max_tokens` > 0): instead of one walk, each index grows a tree best-first
+from the same node by the same estimated probabilities (drafting/trees.py), at most
+`tree.max_branches` continuations per token, at most `tree.max_tokens` tokens, depth and min_prob as
+the walk's; the tree with the higher score (the sum of its tokens' path probabilities) wins, the
+per-request one on ties. Tree tokens are one-hot for every sequence, sampled or not: the tree holds
+the continuations a sampled walk would choose among, and the verifier tries each in turn. With
+`max_branches` 1 the tree is the most-frequent walk.
+
 The index is plain Python; torch only draws the uniforms. This module knows nothing about models,
 verification or rounds.
 """
@@ -44,11 +52,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SuffixParams
+from ..config import SuffixParams, TreeParams
 from ..core.request import Sequence
 from ..core.verify import SparseProbs
 from ..grammar.walk import GuideView
 from .base import DraftBatch, FreeDrafter
+from .trees import DraftTree, grow_tree
 
 
 class SuffixTrie:
@@ -185,6 +194,20 @@ class SuffixTrie:
             walk.score += prob
         return walk
 
+    def continuations(self, node: int, minus: "SuffixTrie | None", minus_node: int | None) -> list[tuple]:
+        """(count less minus's, token, (child, minus's child)) of every token that follows `node`."""
+        out, count = [], self.count
+        minus_children = minus.children[minus_node] if minus_node is not None else None
+        for token, child in self.children[node].items():
+            n, minus_child = count[child], None
+            if minus_children is not None:
+                minus_child = minus_children.get(token)
+                if minus_child is not None:
+                    n -= minus.count[minus_child]
+            if n > 0:
+                out.append((n, token, (child, minus_child)))
+        return out
+
     def match(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> "Match | None":
         """The node a draft of up to k tokens after `context` starts from, by the module's rule; with
@@ -232,6 +255,11 @@ class Match:
 
     def walk(self, min_prob: float, uniforms: list[float] | None = None) -> Walk:
         return self.trie.walk(self.node, self.limit, min_prob, self.minus, self.minus_node, uniforms)
+
+    def tree(self, min_prob: float, shape: TreeParams) -> DraftTree:
+        trie, minus = self.trie, self.minus
+        return grow_tree((self.node, self.minus_node), lambda state: trie.continuations(state[0], minus, state[1]),
+                         self.limit, shape.max_tokens, shape.max_branches, min_prob)
 
 
 class RequestIndex(SuffixTrie):
@@ -335,8 +363,8 @@ class SuffixDrafter(FreeDrafter):
     release, when the finished sequence joins the worker-wide cache."""
     kind = "suffix"
 
-    def __init__(self, params: SuffixParams = SuffixParams(), device="cpu"):
-        self.params, self.device = params, device
+    def __init__(self, params: SuffixParams = SuffixParams(), device="cpu", tree: TreeParams = TreeParams()):
+        self.params, self.device, self.tree = params, device, tree
         self.cache = SuffixCache(params.max_depth, params.max_cached_tokens)
         self._own: dict[Sequence, RequestIndex] = {}
 
@@ -383,8 +411,31 @@ class SuffixDrafter(FreeDrafter):
             walk = best.walk(self.params.min_prob, torch.rand(best.limit, generator=generator).tolist())
         return walk
 
+    def lookup_tree(self, seq: Sequence, depth: int) -> DraftTree:
+        """A token tree of at most `depth` levels for `seq`: the better-scoring of its own index's and
+        the worker-wide index's trees (module docstring)."""
+        best = DraftTree([], [], [])
+        if depth <= 0:
+            return best
+        own = self._synced(seq)
+        context = seq.all_ids()[-self.params.max_depth:]
+        found = [own.match(context, depth, self.params)]
+        if self.cache.num_tokens:
+            found.append(self.cache.trie.match(context, depth, self.params,
+                                               own if self.cache.is_indexed(seq) else None))
+        for match in found:                                  # the per-request index first: it wins ties
+            if match is not None:
+                tree = match.tree(self.params.min_prob, self.tree)
+                if tree.score > best.score:
+                    best = tree
+        return best
+
     def propose(self, seqs: list[Sequence], lengths: list[int], generators,
                 guide: GuideView | None = None) -> DraftBatch:
+        if self.tree.max_tokens and guide is None:
+            trees = [self.lookup_tree(s, g) for s, g in zip(seqs, lengths)]
+            return DraftBatch.from_lists([t.tokens for t in trees], self.device, None,
+                                         [t.parents for t in trees], [t.probs for t in trees])
         walks = [self.lookup(s, g, gen, guide.ahead(b) if guide else ())
                  for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
         proposals = [w.tokens for w in walks]

@@ -200,7 +200,8 @@ class StepGraphs:
             offsets = [0] + depths(tree) if tree is not None else []
             positions += [start + (offsets[i] if i < len(offsets) else i) for i in range(q)]
             write_pos += range(start, start + q)
-            bits += (visible_inputs(tree) if tree is not None else []) + [-1] * (q - (len(tree) + 1 if tree else 0))
+            own = visible_inputs(tree) if tree is not None else []
+            bits += own + [-1] * (q - len(own))
             real += range(b * q, b * q + len(row)) if bucket.logits == "all" else [b]
         ids += [0] * (pad_rows * q)
         positions += list(range(q)) * pad_rows

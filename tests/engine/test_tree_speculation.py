@@ -1,0 +1,103 @@
+"""Token trees through the engine: greedy output identical to target-only greedy decoding (HF
+`generate`) for suffix and n-gram trees at batch 1, 4 and 32, on every forward path (our CPU kernels
+in one loop, under the model's modules, padded SDPA, compiled FlexAttention, the CUDA graphs' padded
+forward run uncaptured), fixed and adaptively sized; where tokens differ, the first difference must
+sit on a near-tie of the target's top-2 logits. The runs must exercise trees: rounds with more than
+one path, and accepted paths that leave the first branch (what a single path would not accept).
+Sampled output's exactness under trees: tests/engine/core/test_tree_verify.py and the end-to-end
+enumeration (tests/engine/test_end_to_end_distribution.py, tree cases)."""
+import pytest
+
+from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, top2_gap
+from pipeline.engine import SamplingParams, TreeParams
+from pipeline.engine.backends.cuda.graphs import UNCAPTURED
+from pipeline.engine.core.tree import children
+
+NUM_PROMPTS, MAX_NEW, NEAR_TIE = 40, 24, 1e-3
+TREE = TreeParams(max_tokens=12, max_branches=3)
+PATHS = {
+    "cpu": dict(cpu_attention="on", cpu_decoder="on"),
+    "modules": dict(cpu_attention="on", cpu_decoder="off"),
+    "sdpa": dict(cpu_attention="off"),
+    "flex": dict(cpu_attention="off", compile="on"),
+    "graphs": dict(cpu_attention="off", cuda_graphs=UNCAPTURED),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(target_model):
+    return mixed_prompts(NUM_PROMPTS, target_model.config.vocab_size, seed=9)
+
+
+@pytest.fixture(scope="module")
+def references(target_model, prompts):
+    return [greedy_reference(target_model, p, MAX_NEW) for p in prompts]
+
+
+def off_first_branch(rounds, parents_seen) -> int:
+    """Rounds whose accepted path is not the tree's first-child path."""
+    count = 0
+    for r, parents in zip(rounds, parents_seen):
+        if parents is None or not r.accepted:
+            continue
+        kids, node, first = children(parents), -1, []
+        while kids[node + 1]:
+            node = kids[node + 1][0]
+            first.append(node)
+        accepted = [i for i, ok in enumerate(r.accepted_mask) if ok]
+        count += accepted != first[:len(accepted)]
+    return count
+
+
+def run_checked(engine, target_model, prompts, references):
+    seen = {}
+    propose = engine.drafter.propose
+
+    def recording(seqs, *args, **kwargs):
+        batch = propose(seqs, *args, **kwargs)
+        for b, s in enumerate(seqs):
+            seen[(s.request_id, s.num_rounds)] = batch.parents[b] if batch.is_tree else None
+        return batch
+    engine.drafter.propose = recording
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=3)
+    mismatches = 0
+    for i, (prompt, ref) in enumerate(zip(prompts, references)):
+        out = done[str(i)].output_ids
+        assert len(out) == MAX_NEW
+        if out != ref:
+            mismatches += 1
+            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+            gap = top2_gap(target_model, prompt + ref[:j])
+            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
+    assert mismatches <= 2
+    parents = [seen.get((r.request_id, r.round)) for r in rounds]
+    return rounds, parents
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_size", [1, 4, 32])
+@pytest.mark.parametrize("kind", ["suffix", "ngram"])
+def test_greedy_identity_with_trees(target_model, prompts, references, kind, batch_size):
+    engine = make_engine(target_model, kind, max_num_seqs=batch_size, max_model_len=128, g=4, tree=TREE)
+    rounds, parents = run_checked(engine, target_model, prompts, references)
+    assert max(r.paths for r in rounds) > 1, "no round drafted a tree"
+    assert sum(r.accepted for r in rounds) > 0
+    assert off_first_branch(rounds, parents) > 0, "no accepted path left the first branch"
+    assert max(r.batch_size for r in rounds) >= min(batch_size, NUM_PROMPTS // 2)   # half arrive up front
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "cpu"])
+def test_greedy_identity_with_trees_on_every_path(target_model, prompts, references, path):
+    engine = make_engine(target_model, "suffix", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, **PATHS[path])
+    rounds, parents = run_checked(engine, target_model, prompts, references)
+    assert max(r.paths for r in rounds) > 1 and off_first_branch(rounds, parents) > 0
+
+
+@pytest.mark.slow
+def test_adaptive_tree_sizes_keep_identity(target_model, prompts, references):
+    engine = make_engine(target_model, "suffix", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
+    rounds, _ = run_checked(engine, target_model, prompts, references)
+    sizes = {r.draft_len for r in rounds}
+    assert len(sizes) > 2, f"adaptive sizing chose only {sizes}"
+    assert engine.policy.tree_calibration > 0
