@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from bench import hf_baselines
-from pipeline.engine import DraftingConfig, EngineConfig, Kernels, SuffixParams
+from pipeline.engine import DraftingConfig, EngineConfig, Kernels, SuffixParams, TreeParams
 from pipeline.job.config import ModelsConfig
 from pipeline.engine import SamplingParams
 from pipeline.loading.hardware import resolve_dtype
@@ -51,7 +51,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     drafting = DraftingConfig(method=drafter, num_speculative_tokens=args.g, adaptive=args.adaptive,
                               draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                               suffix=SuffixParams(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer,
-                              forced_tokens=args.forced_tokens == "on")
+                              forced_tokens=args.forced_tokens == "on",
+                              tree=TreeParams(max_tokens=args.tree_tokens, max_branches=args.tree_branches))
     models = ModelsConfig(target=target, draft=draft if drafting.uses_draft_model else None,
                           dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -104,7 +105,9 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
                                   if any(c.finish_reason in ("eos", "stop") for c in constrained) else None),
             "forced_drafted": sum(r.forced for r in rounds), "forced_accepted": sum(r.forced_accepted for r in rounds),
             "own_acceptance": ((accepted - sum(r.forced_accepted for r in rounds))
-                               / max(1, drafted - sum(r.forced for r in rounds)))}
+                               / max(1, drafted - sum(r.forced for r in rounds))),
+            "accepted_per_round": accepted / len(rounds), "mean_draft_len": drafted / len(rounds),
+            "tree_rounds": sum(r.paths > 1 for r in rounds) / len(rounds)}
 
 
 def _drain(engine, prompts, params, prefix):
@@ -164,6 +167,8 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="JSON list of token id lists")
     ap.add_argument("--formats", default=None, help="JSON list, one per prompt: null or a response_format object")
     ap.add_argument("--forced-tokens", default="on", choices=["on", "off"], help="drafting.forced_tokens")
+    ap.add_argument("--tree-tokens", type=int, default=0, help="drafting.tree.max_tokens (0: single paths)")
+    ap.add_argument("--tree-branches", type=int, default=4, help="drafting.tree.max_branches")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

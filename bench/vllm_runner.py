@@ -5,7 +5,7 @@ nothing from our package: prompts arrive as token ids (chat template already app
 as JSON. It knows nothing about prompt sets, our engine, or Hugging Face baselines.
 
     bench/.venv-vllm/bin/python bench/vllm_runner.py --model-dir DIR --prompts-json P.json \
-        --max-tokens 128 --mode plain|ngram|draft [--draft-dir DIR] --batch all|1 --out R.json
+        --max-tokens 128 --mode plain|ngram|suffix|draft [--draft-dir DIR] --batch all|1 --out R.json
 
 Timing: tokens_per_s = new tokens / wall time of the timed `generate` calls; model load (with vLLM's
 compilation) and a short warm-up `generate` are excluded and reported apart. Spec-decode counters are
@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--prompts-json", required=True, help="JSON list of token id lists")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--mode", choices=["plain", "ngram", "draft"], default="plain")
+    p.add_argument("--mode", choices=["plain", "ngram", "suffix", "draft"], default="plain")
     p.add_argument("--ngram-k", type=int, default=4, help="draft tokens per step (n-gram and draft modes)")
     p.add_argument("--draft-dir", help="draft model directory (draft mode): same tokenizer as the target")
     p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min (n-gram mode)")
@@ -83,6 +83,8 @@ def build_llm(args: argparse.Namespace):
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
                                         "prompt_lookup_max": args.ngram_max,
                                         "prompt_lookup_min": args.ngram_min}
+    elif args.mode == "suffix":          # SuffixDecoding through the arctic-inference package
+        kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": args.ngram_k}
     elif args.mode == "draft":
         if not args.draft_dir:
             raise SystemExit("--mode draft needs --draft-dir")

@@ -1,0 +1,165 @@
+"""Token trees side by side: our engine with a token tree, a single path and no draft, and vLLM-CPU
+with and without its n-gram speculation, on the grounded, templated and chat workloads at batch 1
+and 4.
+
+    .venv/bin/python -m bench.tree_bench --n-b1 6 --n-b4 12 --repeats 2 --out bench/out/trees.json
+
+Configurations (ours: bench/run_one.py, a fresh process per run, the repeats interleaved):
+  plain                 no draft
+  ngram, suffix         a single path of up to 4 tokens
+  ngram_tree            a token tree: at most 16 tokens, 4 branches per token, 4 deep
+  suffix_tree           the same from the suffix index
+  suffix_tree_adaptive  the suffix tree sized per step by the cost model (drafting.adaptive)
+  vllm_plain, vllm_ngram  vLLM-CPU (bench/vllm_runner.py, one load per mode and workload, k 4)
+Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
+two samples each, temperature 0.7), chat (MT-bench first turns, greedy). Batch 1 takes the first
+--n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running. The dtype `auto` resolves to
+(bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
+Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
+the accepted path's depth), tokens per round, the share of rounds that drafted a tree, and speedup
+over our plain run. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from bench.bench import ROOT, VLLM_PY, _run, run_config
+from pipeline.loading.hardware import resolve_dtype
+
+TREE = ["--tree-tokens", "16", "--tree-branches", "4"]
+OURS = {
+    "plain": ["--drafter", "none"],
+    "ngram": ["--drafter", "ngram"],
+    "ngram_tree": ["--drafter", "ngram", *TREE],
+    "suffix": ["--drafter", "suffix"],
+    "suffix_tree": ["--drafter", "suffix", *TREE],
+    "suffix_tree_adaptive": ["--drafter", "suffix", *TREE, "--adaptive"],
+}
+WORKLOADS = {   # name -> (prompt file, rows taken, temperature)
+    "grounded": ("bench/out/prompts_grounded.json", slice(None), 0.0),
+    "templated": ("bench/out/prompts_templated.json", slice(None), 0.7),
+    "chat": ("bench/out/prompts_smollm2_256.json", slice(0, None, 3), 0.0),    # the MT-bench rows
+}
+
+
+def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
+    out = {}
+    for name in args.workloads.split(","):
+        path, rows, _ = WORKLOADS[name]
+        prompts = json.load(open(ROOT / path))[rows]
+        for batch, n in (("b1", args.n_b1), ("b4", args.n_b4)):
+            f = workdir / f"prompts_{name}_{batch}.json"
+            json.dump(prompts[:n], open(f, "w"))
+            out[name, batch] = f
+    return out
+
+
+def run_ours(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {}
+    configs = [c for c in args.configs.split(",") if c in OURS]
+    for rep in range(args.repeats):
+        for (workload, batch), pfile in files.items():
+            temperature = WORKLOADS[workload][2]
+            common = ["--mode", "engine", "--batch", "1" if batch == "b1" else "4", "--max-tokens", str(args.max_tokens),
+                      "--dtype", dtype, "--temperature", str(temperature)]
+            for name in configs:
+                key = f"{workload}/{batch}/{name}"
+                res = run_config({"args": OURS[name]}, args.model, pfile, workdir / f"{key.replace('/', '_')}_{rep}.json",
+                                 common)
+                runs.setdefault(key, []).append(res)
+                print(key, rep, res.get("tokens_per_s", res.get("error", "")[-300:]), flush=True)
+    return runs
+
+
+def run_vllm(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
+    from pipeline.loading.models import resolve_hf_dir
+    from bench.run_one import MODELS
+    runs: dict[str, list[dict]] = {}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    for workload in args.workloads.split(","):
+        for mode in ("plain", "ngram"):
+            for batch, seqs in (("b1", None), ("b4", 4)):
+                out = workdir / f"vllm_{workload}_{mode}_{batch}.json"
+                cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
+                       str(resolve_hf_dir(MODELS[args.model][0])), "--prompts-json", str(files[workload, batch]),
+                       "--max-tokens", str(args.max_tokens), "--dtype", dtype, "--mode", mode,
+                       "--batch", "1" if batch == "b1" else "all", "--repeats", str(args.repeats),
+                       "--n-b1", str(args.n_b1), "--max-num-batched-tokens", "4096", "--prefix-caching", "--out", str(out)]
+                if seqs:
+                    cmd += ["--max-num-seqs", str(seqs)]
+                res = _run(cmd, out, env)
+                key = f"{workload}/{batch}/vllm_{mode}"
+                runs[key] = [res] if "error" in res else res["runs"]
+                print(key, "error" if "error" in res else "done", flush=True)
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for key, rs in runs.items():
+        ok = [r for r in rs if "tokens_per_s" in r]
+        if not ok:
+            rows.append({"key": key, "error": (rs[0].get("error") or "")[-300:]})
+            continue
+        tps = [r["tokens_per_s"] for r in ok]
+        first = ok[0]
+        spec = first.get("spec") or {}
+        rows.append({"key": key, "tok_s": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": len(ok),
+                     "accepted_per_round": first.get("accepted_per_round",
+                                                     (spec["mean_acceptance_length"] - 1) if spec.get("mean_acceptance_length") else None),
+                     "tokens_per_round": first.get("mean_tokens_per_round"),
+                     "acceptance": first.get("acceptance_rate"), "tree_rounds": first.get("tree_rounds"),
+                     "mean_draft_len": first.get("mean_draft_len")})
+    base = {r["key"].rsplit("/", 1)[0]: r["tok_s"] for r in rows if r["key"].endswith("/plain") and "tok_s" in r}
+    for r in rows:
+        if "tok_s" in r:
+            r["speedup"] = r["tok_s"] / base.get(r["key"].rsplit("/", 1)[0], float("nan"))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    fmt = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
+    lines = ["| workload | batch | config | tok/s (min-max) | accepted/round | tokens/round | tree rounds | vs plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        workload, batch, name = r["key"].split("/")
+        if "error" in r:
+            lines.append(f"| {workload} | {batch} | {name} | error: {r['error'][-80:]} | | | | |")
+            continue
+        lines.append(f"| {workload} | {batch} | {name} | {r['tok_s']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | "
+                     f"{fmt(r['accepted_per_round'])} | {fmt(r['tokens_per_round'])} | {fmt(r['tree_rounds'])} | "
+                     f"{r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen"])
+    ap.add_argument("--workloads", default="grounded,templated,chat")
+    ap.add_argument("--configs", default=",".join(OURS), help="ours, comma-separated (plain first)")
+    ap.add_argument("--n-b1", type=int, default=6)
+    ap.add_argument("--n-b4", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    workdir = Path(args.out).with_suffix("")
+    workdir.mkdir(parents=True, exist_ok=True)
+    dtype = resolve_dtype("auto", "cpu").dtype
+    files = prompt_files(args, workdir)
+    runs = run_ours(args, files, workdir, dtype)
+    if not args.skip_vllm and VLLM_PY.exists():
+        runs.update(run_vllm(args, files, workdir, dtype))
+    rows = summarise(runs)
+    json.dump({"rows": rows, "runs": {k: [{x: y for x, y in r.items() if x not in ("outputs", "steps")} for r in v]
+                                      for k, v in runs.items()}}, open(args.out, "w"), indent=1)
+    print(markdown(sorted(rows, key=lambda r: r["key"])))
+
+
+if __name__ == "__main__":
+    main()

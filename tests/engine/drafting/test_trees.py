@@ -1,0 +1,105 @@
+"""Token trees on the drafting side: best-first growth (drafting/trees.py), the suffix and n-gram
+drafters' trees, a batch of trees cut to size, and the adaptive policy's tree sizing."""
+import pytest
+
+from pipeline.engine import SamplingParams, SuffixParams, TreeParams
+from pipeline.engine.core.request import Sequence
+from pipeline.engine.core.tree import check, children, depths
+from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel
+from pipeline.engine.drafting.base import DraftBatch
+from pipeline.engine.drafting.ngram import NgramDrafter
+from pipeline.engine.drafting.suffix import SuffixDrafter
+from pipeline.engine.drafting.trees import grow_tree
+
+# a toy index: state = path; after () come 7 (6 times), 8 (3), 9 (1); after any path of length 1-3,
+# its last token + 1 (4 times) or + 2 (1 time)
+def toy(path):
+    if not path:
+        return [(6, 7, (7,)), (3, 8, (8,)), (1, 9, (9,))]
+    return [(4, path[-1] + 1, path + (path[-1] + 1,)), (1, path[-1] + 2, path + (path[-1] + 2,))]
+
+
+def test_growth_is_best_first_and_bounded():
+    tree = grow_tree((), toy, max_depth=3, max_tokens=8, max_branches=2, min_prob=0.05)
+    check(tree.parents)
+    assert len(tree.tokens) == 8
+    assert tree.probs == sorted(tree.probs, reverse=True)
+    # 7 (0.6), then its likeliest child 8 (0.6 * 0.8), then that one's 9 (0.384) before the root's 8 (0.3)
+    assert tree.tokens[:3] == [7, 8, 9] and tree.parents[:3] == [-1, 0, 1]
+    assert tree.probs[:3] == [pytest.approx(0.6), pytest.approx(0.48), pytest.approx(0.384)]
+    assert [tree.tokens[i] for i in children(tree.parents)[0]] == [7, 8], "at most max_branches children"
+    assert max(depths(tree.parents)) <= 3
+    assert all(len(kids) <= 2 for kids in children(tree.parents))
+    path = grow_tree((), toy, max_depth=3, max_tokens=8, max_branches=1, min_prob=0.05)
+    assert path.tokens == [7, 8, 9] and path.parents == [-1, 0, 1]           # one branch: the likeliest walk
+    assert grow_tree((), toy, 3, 8, 3, min_prob=0.5).tokens == [7]           # path probability 0.48 < 0.5
+
+
+def seq(tokens, rid="s"):
+    s = Sequence(rid, tokens, SamplingParams(temperature=0), 0)
+    return s
+
+
+def test_suffix_tree_with_one_branch_is_the_walk():
+    text = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2, 3, 4, 5, 1, 2]
+    walk = SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy", max_cached_tokens=0)).lookup(seq(text), 4)
+    tree = SuffixDrafter(SuffixParams(min_match=1, max_cached_tokens=0),
+                         tree=TreeParams(max_tokens=8, max_branches=1)).lookup_tree(seq(text), 4)
+    assert tree.tokens == walk.tokens and tree.parents == list(range(-1, len(walk.tokens) - 1))
+
+
+def test_suffix_tree_offers_the_other_continuations():
+    text = [9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2, 3, 6, 5, 1, 2, 3]     # the longest match: 1 2 3
+    drafter = SuffixDrafter(SuffixParams(min_match=1, min_prob=0.05, max_cached_tokens=0),
+                            tree=TreeParams(max_tokens=6, max_branches=3))
+    tree = drafter.lookup_tree(seq(text), 3)
+    roots = [tree.tokens[i] for i in children(tree.parents)[0]]
+    assert roots == [4, 6]                              # after 1 2 3: 4 twice, 6 once, likeliest first
+    assert tree.probs[:2] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    batch = drafter.propose([seq(text)], [3], [None])
+    assert batch.is_tree and batch.proposals[0] == tree.tokens and batch.scores[0] == tree.probs
+
+
+def test_ngram_tree_counts_every_occurrence():
+    text = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 8, 1, 2]
+    drafter = NgramDrafter(2, 3, tree=TreeParams(max_tokens=6, max_branches=2))
+    tree = drafter.lookup_tree(seq(text), 2)
+    kids = children(tree.parents)
+    assert [tree.tokens[i] for i in kids[0]] == [3, 4]
+    three = kids[0][0]
+    assert sorted(tree.tokens[i] for i in kids[three + 1]) == [8, 9]
+    assert tree.probs[0] == pytest.approx(2 / 3)
+    single = NgramDrafter(2, 3).lookup(seq(text), 2)
+    assert single == [3, 8]                                       # the latest occurrence's continuation
+
+
+def test_a_batch_of_trees_cut_to_size():
+    batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", None, [[-1, -1, 0, 1], [-1, 0]],
+                                  [[0.5, 0.4, 0.3, 0.2], [0.9, 0.8]])
+    cut = batch.truncated([3, 0])
+    assert cut.proposals == [[5, 6, 7], []] and cut.parents == [[-1, -1, 0], []] and cut.num_draft == [3, 0]
+    assert DraftBatch.from_lists([[1, 2]], "cpu", None, [[-1, 0]], [[0.5, 0.2]]).parents is None   # a path
+
+
+def sizing(verify_curve):
+    costs = CostModel()
+    costs.verify_curve = verify_curve
+    policy = AdaptiveDraftLength(4, costs, draft_is_free=True)
+    policy.tree_ratio = [1.0, 1.0]
+    return policy
+
+
+def test_tree_sizes_follow_the_verify_curve():
+    scores = [[0.9, 0.5, 0.3, 0.05], [0.6, 0.2]]
+    # flat up to 8 tokens (weight-bound), then steep: every token worth anything until the curve turns
+    flat = sizing([(1, 1.0), (8, 1.0), (16, 3.0)])
+    assert flat.tree_sizes(scores) == [4, 2]
+    # each token costs 0.3 of a 1-token step: rates 2/1.3, 2.9/1.6, 3.5/1.9, 4.0/2.2: the best two only
+    steep = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2), (6, 2.5), (7, 2.8), (8, 3.1)])
+    assert steep.tree_sizes(scores) == [1, 1]
+    # a draft never pays at 3x a step per token: no draft at all
+    assert sizing([(1, 1.0), (2, 4.0), (8, 22.0)]).tree_sizes(scores) == [0, 0]
+    # the calibration scales the estimate: observed depth half the estimate halves every score
+    half = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2), (6, 2.5), (7, 2.8), (8, 3.1)])
+    half.observe_tree(10.0, 5)
+    assert half.tree_calibration < 1.0 and sum(half.tree_sizes(scores)) < 3
