@@ -1,4 +1,5 @@
-"""GPU throughput check: the engine on one device, plain decoding (drafter none) and n-gram drafting,
+"""GPU throughput check: the engine on one device, plain decoding (drafter none), n-gram drafting of a
+single path and of a token tree (ngram-tree: 16 tokens verified per row, what a tree step costs),
 steps replayed as CUDA graphs and launched from Python (cuda_graphs on / off), eager attention
 (compile off) and compiled FlexAttention (compile on), one sequence at a time (batch 1) and every
 prompt at once, each figure printed next to its HBM floor.
@@ -42,6 +43,7 @@ from pipeline.engine import (
     NgramDrafter,
     SamplingParams,
     SpecEngine,
+    TreeParams,
 )
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.engine.model.runner import build_runner
@@ -49,6 +51,7 @@ from pipeline.engine.model.slots import slot_bytes
 from pipeline.loading.models import DTYPES, ModelSpec, load_model
 
 H200_HBM_BYTES_PER_S = 4.8e12
+TREE_TOKENS = 16         # ngram-tree: a token tree of at most 16 tokens, 4 branches per token, g deep
 SHAPES = {   # name -> (model class, config); random-init, the real models' shapes
     "smollm2-135m-shape": (LlamaForCausalLM, lambda: LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -122,10 +125,12 @@ def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max
     # the uncaptured dry run needs torch's attention: the graphs replay the model's own forward
     runner = build_runner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
                          cpu_attention="off" if graphs == UNCAPTURED else "auto")
-    ngram = NgramDrafter(2, 4, device=runner.device) if drafter == "ngram" else None
+    tree = TreeParams(max_tokens=TREE_TOKENS, max_branches=4) if drafter == "ngram-tree" else TreeParams()
+    ngram = NgramDrafter(2, 4, device=runner.device, tree=tree) if drafter.startswith("ngram") else None
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, max_prefill_tokens=4096, compile=compile,
                        cuda_graphs="off" if graphs == UNCAPTURED else graphs)   # not a config value
-    return SpecEngine(runner, ngram, cfg, eos_token_ids=[], drafting=DraftingConfig(num_speculative_tokens=g))
+    return SpecEngine(runner, ngram, cfg, eos_token_ids=[],
+                      drafting=DraftingConfig(num_speculative_tokens=g, tree=tree))
 
 
 def drive(engine: SpecEngine, prompts, params: SamplingParams, prefix: str, deadline: float) -> dict:
@@ -280,7 +285,8 @@ def parse_args(argv=None):
     ap.add_argument("--cuda-graphs", default=None,
                     help="engine.cuda_graphs modes, comma-separated (default: on,off on CUDA, off elsewhere; "
                          "'uncaptured': the graphs' padded forward without capture, a CPU dry run of that path)")
-    ap.add_argument("--drafters", default="none,ngram")
+    ap.add_argument("--drafters", default="none,ngram,ngram-tree",
+                    help="none | ngram (a single path) | ngram-tree (a token tree of 16 tokens)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=100)
     ap.add_argument("--max-prompt", type=int, default=300)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import DRAFTERS, greedy_reference, make_engine, mixed_prompts, noisy_copy, run_requests, top2_gap
-from pipeline.engine import SamplingParams
+from pipeline.engine import SamplingParams, TreeParams
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +99,20 @@ def test_greedy_identity_on_cuda(kind, compile, graphs, target_model, cuda_targe
     assert mismatches <= MAX_TIES, f"{mismatches} near-tie mismatches out of {NUM_PROMPTS}"
     if kind != "none":     # the drafts must have been exercised, or identity is trivial
         assert sum(r.accepted for r in rounds) > 0
+    assert_on_cuda(engine, flex=compile == "on", graphs=graphs == "on")
+
+
+@pytest.mark.parametrize("kind", ["suffix", "ngram"])
+@pytest.mark.parametrize("compile,graphs", [("off", "off"), ("off", "on"), ("on", "off")])
+def test_tree_greedy_identity_on_cuda(kind, compile, graphs, target_model, cuda_target, prompts, cuda_references):
+    """Token trees (16 tokens, 3 branches) through padded SDPA, the captured graphs' tree buckets and
+    FlexAttention's tree mask on the device."""
+    engine = make_engine(cuda_target, kind, None, max_num_seqs=8, max_model_len=128, g=4, compile=compile,
+                         cuda_graphs=graphs, tree=TreeParams(max_tokens=16, max_branches=3))
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=2)
+    outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
+    assert check_greedy(outputs, cuda_references, prompts, target_model) <= MAX_TIES
+    assert max(r.paths for r in rounds) > 1 and sum(r.accepted for r in rounds) > 0
     assert_on_cuda(engine, flex=compile == "on", graphs=graphs == "on")
 
 

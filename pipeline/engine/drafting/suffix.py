@@ -42,6 +42,12 @@ per-request one on ties. Tree tokens are one-hot for every sequence, sampled or 
 the continuations a sampled walk would choose among, and the verifier tries each in turn. With
 `max_branches` 1 the tree is the most-frequent walk.
 
+The longest match often continues one way only; a tree then also offers what followed shorter
+matches of the context (half its length, and `min_match` tokens): the tokens only a shorter context
+saw share one extra count beside the longest's counts (an escape, as in PPM compression), and the
+tree grows under each token from the longest context that saw it. Counts estimate; they never
+change what is accepted.
+
 The index is plain Python; torch only draws the uniforms. This module knows nothing about models,
 verification or rounds.
 """
@@ -208,6 +214,31 @@ class SuffixTrie:
                 out.append((n, token, (child, minus_child)))
         return out
 
+    def backoff_continuations(self, state: tuple, minus: "SuffixTrie | None") -> list[tuple]:
+        """Continuations of a state of several context lengths ((node, minus_node) pairs, longest
+        first): the longest's counts, and one count more shared by the tokens only shorter contexts
+        saw, in proportion to their counts there (an escape, as PPM's method A). The state after a
+        token: the nodes of the contexts that saw it."""
+        merged: dict[int, list] = {}
+        escape: list[tuple[int, int]] = []
+        for level, (node, minus_node) in enumerate(state):
+            for n, token, child in self.continuations(node, minus, minus_node):
+                if token in merged:
+                    merged[token][2].append(child)
+                elif level == 0:
+                    merged[token] = [n, token, [child]]
+                else:
+                    merged[token] = [0, token, [child]]
+                    escape.append((token, n))
+        if escape and len(escape) < len(merged):      # tokens only shorter contexts saw share one count
+            total = sum(n for _, n in escape)
+            for token, n in escape:
+                merged[token][0] = n / total
+        elif escape:                                  # the longest saw nothing: the shorter's counts
+            for token, n in escape:
+                merged[token][0] = n
+        return [(n, token, tuple(children)) for n, token, children in merged.values() if n > 0]
+
     def match(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> "Match | None":
         """The node a draft of up to k tokens after `context` starts from, by the module's rule; with
@@ -216,7 +247,11 @@ class SuffixTrie:
         if length < params.min_match:
             return None
         minus_node = minus.find(context[len(context) - length:]) if minus is not None else None
-        return Match(self, node, minus, minus_node, min(k, int(params.max_spec_factor * length + 1e-9)))
+        shorter = []                        # token trees back off to shorter matches (module docstring)
+        for n in sorted({max(params.min_match, length // 2), params.min_match} - {length}, reverse=True):
+            pattern = context[len(context) - n:]
+            shorter.append((self.find(pattern), minus.find(pattern) if minus is not None else None))
+        return Match(self, node, minus, minus_node, min(k, int(params.max_spec_factor * length + 1e-9)), shorter)
 
     def draft(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> tuple[list[int], float]:
@@ -252,14 +287,16 @@ class Match:
     minus: SuffixTrie | None
     minus_node: int | None
     limit: int
+    shorter: list[tuple[int | None, int | None]]   # trees: nodes of shorter matches (node, minus node)
 
     def walk(self, min_prob: float, uniforms: list[float] | None = None) -> Walk:
         return self.trie.walk(self.node, self.limit, min_prob, self.minus, self.minus_node, uniforms)
 
     def tree(self, min_prob: float, shape: TreeParams) -> DraftTree:
         trie, minus = self.trie, self.minus
-        return grow_tree((self.node, self.minus_node), lambda state: trie.continuations(state[0], minus, state[1]),
-                         self.limit, shape.max_tokens, shape.max_branches, min_prob)
+        state = ((self.node, self.minus_node), *((n, m) for n, m in self.shorter if n is not None))
+        return grow_tree(state, lambda st: trie.backoff_continuations(st, minus), self.limit, shape.max_tokens,
+                         shape.max_branches, min_prob)
 
 
 class RequestIndex(SuffixTrie):

@@ -54,7 +54,7 @@ from pipeline.engine.core.tree import depths, visible_inputs
 from pipeline.engine.kv.layout import StepLayout, TreeRows, attention_masks
 
 UNCAPTURED = "uncaptured"  # a runner's mode, not a config value: the padded forward without capture (CPU tests)
-MAX_Q = 8                 # tokens per row in a graph: a verify step of up to 7 draft tokens
+MAX_Q = 17                # tokens per row in a graph: a verify step of up to 16 draft tokens (a path or a tree)
 MAX_TOKENS = 512          # rows x tokens per row in a graph; larger steps are compute-bound anyway
 MIN_KEYS = 256            # the smallest keys bucket
 
