@@ -19,9 +19,10 @@ mask is built from per-slot tensors with a few vectorised ops (no Python per row
 a millisecond per step; the per-slot start positions reach the mask through an argument, which keeps
 one compiled graph for every runner and every step (dynamic in the number of query rows).
 
-Token trees (kv/layout.py's TreeRows): the mask also reads each query's visibility bits over its
-row's inputs, and only the blocks wholly before a slot's start count as full (a tree's inputs see
-some of the earlier inputs of their step, not all). A separate compiled function takes the bits.
+Token trees (kv/layout.py's TreeRows): the mask also asks which of its row's inputs each query sees
+(the visibility bits unpacked into a flat boolean table), and only the blocks wholly before a slot's
+start count as full (a tree's inputs see some of the earlier inputs of their step, not all). A
+separate compiled function takes the table.
 
 FlexAttention needs torch.compile: inductor's C++ kernel on CPU, Triton on CUDA. `flex_unavailable`
 says why a device cannot take this path; the caller then keeps the eager one.
