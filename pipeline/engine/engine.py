@@ -347,9 +347,7 @@ class SpecEngine:
         row on that row's own prefix (the round's inputs before it), masked by `allowed` (the rows'
         grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
-        prefixes = [toks[1:i + 1] for toks in inputs for i in range(len(toks))]
-        if drafts.is_tree:                              # a tree row's prefix: the path to the token
-            prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
+        prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
         tree = (torch.tensor([p for b in range(len(batch)) for p in drafts.parents_of(b)], dtype=torch.long,
                              device=logits.device) if drafts.is_tree else None)
         if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
@@ -446,8 +444,8 @@ class SpecEngine:
 
 
 def _path_prefixes(parents: list[int], inputs: list[int]) -> list[list[int]]:
-    """Per input of a tree row (root first), the draft tokens of its path: what the penalties count as
-    generated this round before the token the row's distribution is for."""
+    """Per input of a row (root first), the draft tokens of its path (a single path: the drafts before
+    it): what the penalties count as generated this round before the token the row's distribution is for."""
     paths: list[list[int]] = [[]]
     for i, p in enumerate(parents):
         paths.append(paths[p + 1] + [inputs[i + 1]])

@@ -170,31 +170,20 @@ class SuffixTrie:
         less minus's counts. Without uniforms, each step takes the most frequent child; with them
         (one per step), each step samples a child in proportion to its count and the walk records
         that distribution (q, for the verifier)."""
-        walk, prob, count = Walk([], 0.0, [] if uniforms is not None else None), 1.0, self.count
+        walk, prob = Walk([], 0.0, [] if uniforms is not None else None), 1.0
         while len(walk.tokens) < limit:
-            minus_children = minus.children[minus_node] if minus_node is not None else None
-            options, total, best = [], 0, None
-            for token, child in self.children[node].items():      # hot loop
-                n, minus_child = count[child], None
-                if minus_children is not None:
-                    minus_child = minus_children.get(token)
-                    if minus_child is not None:
-                        n -= minus.count[minus_child]
-                if n <= 0:
-                    continue
-                options.append((n, token, child, minus_child))
-                total += n
-                if best is None or n > best[0]:
-                    best = options[-1]
-            if best is None:
+            options = self.continuations(node, minus, minus_node)
+            if not options:
                 break
+            total = sum(o[0] for o in options)
+            best = max(options, key=lambda o: o[0])                  # the first of the most frequent
             prob *= best[0] / total
             if prob < min_prob:
                 break
             if uniforms is None:
-                _, token, node, minus_node = best
+                _, token, (node, minus_node) = best
             else:
-                _, token, node, minus_node = _pick(options, uniforms[len(walk.tokens)] * total)
+                _, token, (node, minus_node) = _pick(options, uniforms[len(walk.tokens)] * total)
                 walk.q.append(([o[1] for o in options], [o[0] / total for o in options]))
             walk.tokens.append(token)
             walk.score += prob
@@ -204,7 +193,7 @@ class SuffixTrie:
         """(count less minus's, token, (child, minus's child)) of every token that follows `node`."""
         out, count = [], self.count
         minus_children = minus.children[minus_node] if minus_node is not None else None
-        for token, child in self.children[node].items():
+        for token, child in self.children[node].items():        # hot loop
             n, minus_child = count[child], None
             if minus_children is not None:
                 minus_child = minus_children.get(token)
