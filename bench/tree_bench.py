@@ -7,14 +7,15 @@ and 4.
 Configurations (ours: bench/run_one.py, a fresh process per run, the repeats interleaved):
   plain                 no draft
   ngram, suffix         a single path of up to 4 tokens
-  ngram_tree            a token tree: at most 16 tokens, 4 branches per token, 4 deep
-  suffix_tree           the same from the suffix index
-  suffix_tree_adaptive  the suffix tree sized per step by the cost model (drafting.adaptive)
+  ngram_tree            a token tree: at most 16 tokens, 4 branches per token, any depth
+  suffix_tree           the same from the suffix index (at most 8 deep: drafting.suffix.max_depth / 2)
+  suffix_tree_adaptive, ngram_tree_adaptive   the tree sized per step by the cost model (drafting.adaptive)
   vllm_plain, vllm_ngram, vllm_suffix  vLLM-CPU (bench/vllm_runner.py, one load per mode and
                         workload, max_num_seqs 4, k 4; suffix: SuffixDecoding from arctic-inference, a single path)
 Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
 two samples each, temperature 0.7), chat (MT-bench first turns, greedy). Batch 1 takes the first
---n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running. The dtype `auto` resolves to
+--n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running (and, ours only, batch 16 the
+first --n-b16 with 16 running, "all" the first --n-all all at once). The dtype `auto` resolves to
 (bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
 Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
 the accepted path's depth), tokens per round, the share of rounds that drafted a tree, and speedup
@@ -39,6 +40,7 @@ OURS = {
     "suffix": ["--drafter", "suffix"],
     "suffix_tree": ["--drafter", "suffix", *TREE],
     "suffix_tree_adaptive": ["--drafter", "suffix", *TREE, "--adaptive"],
+    "ngram_tree_adaptive": ["--drafter", "ngram", *TREE, "--adaptive"],
 }
 WORKLOADS = {   # name -> (prompt file, rows taken, temperature)
     "grounded": ("bench/out/prompts_grounded.json", slice(None), 0.0),
@@ -47,12 +49,22 @@ WORKLOADS = {   # name -> (prompt file, rows taken, temperature)
 }
 
 
+def batches(args) -> list[tuple[str, int, int]]:
+    """(tag, prompts, sequences running at once) per batch setting measured."""
+    out = [("b1", args.n_b1, 1), ("b4", args.n_b4, 4)]
+    if args.n_b16:
+        out.append(("b16", args.n_b16, 16))
+    if args.n_all:
+        out.append(("all", args.n_all, args.n_all))
+    return out
+
+
 def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
     out = {}
     for name in args.workloads.split(","):
         path, rows, _ = WORKLOADS[name]
         prompts = json.load(open(ROOT / path))[rows]
-        for batch, n in (("b1", args.n_b1), ("b4", args.n_b4)):
+        for batch, n, _ in batches(args):
             f = workdir / f"prompts_{name}_{batch}.json"
             json.dump(prompts[:n], open(f, "w"))
             out[name, batch] = f
@@ -65,7 +77,8 @@ def run_ours(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
     for rep in range(args.repeats):
         for (workload, batch), pfile in files.items():
             temperature = WORKLOADS[workload][2]
-            common = ["--mode", "engine", "--batch", "1" if batch == "b1" else "4", "--max-tokens", str(args.max_tokens),
+            size = {tag: running for tag, _, running in batches(args)}[batch]
+            common = ["--mode", "engine", "--batch", str(size), "--max-tokens", str(args.max_tokens),
                       "--dtype", dtype, "--temperature", str(temperature)]
             for name in configs:
                 key = f"{workload}/{batch}/{name}"
@@ -143,6 +156,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(OURS), help="ours, comma-separated (plain first)")
     ap.add_argument("--n-b1", type=int, default=6)
     ap.add_argument("--n-b4", type=int, default=12)
+    ap.add_argument("--n-b16", type=int, default=0, help="prompts at batch 16 (0: not measured; ours only)")
+    ap.add_argument("--n-all", type=int, default=0, help="prompts all at once (0: not measured; ours only)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-vllm", action="store_true")

@@ -90,8 +90,9 @@ class SuffixParams:
 class TreeParams:
     """Token trees from the suffix and n-gram drafters (drafting/trees.py): several candidate
     continuations per row, verified in one forward."""
-    max_tokens: int = 0               # draft tokens per row in a tree, at most (0: a single path); its depth
-                                      # is at most num_speculative_tokens; adaptive: sized per step by cost
+    max_tokens: int = 0               # draft tokens per row in a tree, at most (0: a single path), in any
+                                      # shape: as deep as the index is confident (num_speculative_tokens
+                                      # bounds single paths only); adaptive: sized per step by cost
     max_branches: int = 4             # continuations offered per token, at most
 
     def __post_init__(self):

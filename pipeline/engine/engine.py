@@ -302,8 +302,9 @@ class SpecEngine:
             self.grammar_s += time.perf_counter() - t_grammar
         else:
             found = self.drafter.propose(batch, lengths, generators)
-            if found.is_tree and self.drafting.adaptive and found.draft_probs is None:
-                found = found.truncated(self.policy.tree_sizes(found.scores))
+            if found.scores is not None and self.drafting.adaptive and found.draft_probs is None:
+                found = found.truncated(self.policy.tree_sizes(
+                    found.scores, [found.parents_of(b) for b in range(len(batch))]))
             zeros = [0] * len(batch)
             guided = GuidedDraft(found, zeros, list(found.num_draft), zeros)
         guided.drafts = guided.drafts.to(self.target.device)
@@ -317,8 +318,12 @@ class SpecEngine:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
         drafting = self.drafting
         trees = drafting.tree.max_tokens and drafting.free_method == drafting.method   # sized after proposing
-        wanted = (self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
-                  if drafting.adaptive and not trees else [drafting.num_speculative_tokens] * len(batch))
+        if trees:                       # a tree's depth is bounded by its size and the index, not by g
+            wanted = [drafting.tree.max_tokens] * len(batch)
+        elif drafting.adaptive:
+            wanted = self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
+        else:
+            wanted = [drafting.num_speculative_tokens] * len(batch)
         return [max(0, min(g, self._room(s))) for g, s in zip(wanted, batch)]
 
     def _verify(self, batch: list[Sequence], drafts: DraftBatch,
@@ -395,10 +400,11 @@ class SpecEngine:
             if drafts.is_tree:          # a rejection: the accepted path ends where the tree goes on
                 rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
                 self.policy.update(seq, k + int(rejected), k)
-                self.policy.observe_tree(sum(drafts.scores[b]), k)
             else:
                 rejected = k < g
                 self.policy.update(seq, own, max(0, min(k - ahead, own)))
+            if drafts.scores is not None:
+                self.policy.observe_tree(drafts.scores[b], drafts.parents_of(b), k)
             seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
             paths = num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0)
             rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,

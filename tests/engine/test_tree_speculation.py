@@ -100,4 +100,4 @@ def test_adaptive_tree_sizes_keep_identity(target_model, prompts, references):
     rounds, _ = run_checked(engine, target_model, prompts, references)
     sizes = {r.draft_len for r in rounds}
     assert len(sizes) > 2, f"adaptive sizing chose only {sizes}"
-    assert engine.policy.tree_calibration > 0
+    assert engine.policy.tree_calibration, "tree rounds were observed"

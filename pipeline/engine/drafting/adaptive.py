@@ -21,12 +21,23 @@ new prompt, or a stretch at g = 0) must first be caught up (a draft prefill of `
 P per token): it drafts only if the time drafting saves over its remaining tokens R,
 R * (C(0) - C(g) / E(g)) / B, exceeds lag * P. The lag comes from the drafter, which owns the draft
 KV (Drafter.catch_up_lag); the policy only reads it.
+
+Token trees (drafting.tree): the drafter grows each row's tree up to its size and lists its tokens
+best-first with an estimated path probability s (drafting/trees.py); the policy keeps, over the whole
+batch, the m likeliest tokens that maximise (B + sum c_d s) / V(B + m), where d is a token's depth
+and c_d the observed share of the estimate at that depth: the rounds that accepted at least d tokens
+over the estimates summed at depth d (decayed sums, a prior of TREE_PRIOR for TREE_PRIOR_WEIGHT
+estimated tokens, each depth's prior the depth above's, never above it). An index's estimate is
+confident where it saw a continuation once (a one-occurrence chain estimates 1 at every depth), and
+the truth falls off with depth; c_d learns how fast. The policy may keep a tree, a path or nothing.
 """
 from __future__ import annotations
 
 import bisect
 import time
 from typing import TYPE_CHECKING
+
+from ..core.tree import depths
 
 if TYPE_CHECKING:
     from ..model.runner import ModelRunner
@@ -143,6 +154,10 @@ def expected_tokens(alpha: float, g: int) -> float:
     return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
 
 
+TREE_PRIOR = 0.5            # trees: accepted share of the index's estimate before any tree round
+TREE_PRIOR_WEIGHT = 2.0     # the prior's weight, in estimated tokens
+
+
 class AdaptiveDraftLength:
     def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
                  prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1,
@@ -153,7 +168,8 @@ class AdaptiveDraftLength:
         self._stats: dict[str, list[float]] = {}       # request id -> [accepted, rejections] (decayed)
         self._engine_stats = [0.0, 0.0]                # all sequences: [accepted, rejections] (decayed)
         self._drafted = 0                              # draft tokens verified, all time
-        self.tree_ratio = [0.5, 1.0]                   # trees: [accepted depth, estimated] (decayed sums)
+        self.tree_prior = TREE_PRIOR
+        self._tree_depths: list[list[float]] = []      # trees, per depth d - 1: [rounds accepting >= d, estimated]
 
     @property
     def has_evidence(self) -> bool:
@@ -198,25 +214,36 @@ class AdaptiveDraftLength:
         return best_g
 
     @property
-    def tree_calibration(self) -> float:
-        """c: accepted depth per unit of estimated accepted length, observed over recent tree rounds."""
-        return self.tree_ratio[0] / self.tree_ratio[1]
+    def tree_calibration(self) -> list[float]:
+        """c_d per depth d (index d - 1): accepted share of the estimate (module docstring)."""
+        out, prev = [], self.tree_prior
+        for accepted, estimated in self._tree_depths:
+            prev = min(prev, (accepted + TREE_PRIOR_WEIGHT * prev) / (estimated + TREE_PRIOR_WEIGHT))
+            out.append(prev)
+        return out
 
-    def observe_tree(self, estimated: float, accepted: int, decay: float = 0.98) -> None:
-        if estimated > 0:
-            self.tree_ratio = [self.tree_ratio[0] * decay + accepted, self.tree_ratio[1] * decay + estimated]
+    def observe_tree(self, scores: list[float], parents: list[int], accepted: int, decay: float = 0.98) -> None:
+        """One row's round: its tree's estimates (by depth) against the depth it accepted."""
+        per_depth = [0.0] * max(depths(parents), default=0)
+        for score, d in zip(scores, depths(parents)):
+            per_depth[d - 1] += score
+        self._tree_depths += [[0.0, 0.0] for _ in range(len(per_depth) - len(self._tree_depths))]
+        for d, stats in enumerate(self._tree_depths, start=1):
+            stats[0] = stats[0] * decay + (accepted >= d)
+            stats[1] = stats[1] * decay + (per_depth[d - 1] if d <= len(per_depth) else 0.0)
 
-    def tree_sizes(self, scores: list[list[float]]) -> list[int]:
-        """Tokens to keep of each row's tree (module docstring); rows' scores non-increasing."""
+    def tree_sizes(self, scores: list[list[float]], parents: list[list[int]]) -> list[int]:
+        """Tokens to keep of each row's tree (module docstring); rows listed best-first."""
         batch = len(scores)
         if not self.costs.is_calibrated or not batch:
             return [len(s) for s in scores]
-        ranked = sorted(((s, b, i) for b, row in enumerate(scores) for i, s in enumerate(row)),
-                        key=lambda t: (-t[0], t[1], t[2]))
-        c = self.tree_calibration
+        cal = self.tree_calibration
+        factor = lambda d: cal[d - 1] if d <= len(cal) else (cal[-1] if cal else self.tree_prior)
+        ranked = sorted(((factor(d) * s, b, i) for b, (row, ps) in enumerate(zip(scores, parents))
+                         for i, (s, d) in enumerate(zip(row, depths(ps)))), key=lambda t: (-t[0], t[1], t[2]))
         best_m, best_rate, expected = 0, batch / self.costs.verify_cost(batch), float(batch)
-        for m, (s, _, _) in enumerate(ranked, start=1):
-            expected += c * s
+        for m, (value, _, _) in enumerate(ranked, start=1):
+            expected += value
             rate = expected / self.costs.verify_cost(batch + m)
             if rate > best_rate * 1.0001:
                 best_m, best_rate = m, rate

@@ -34,7 +34,8 @@ class DraftBatch:
     proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
     parents: list[list[int]] | None = None   # token trees (core/tree.py): per sequence its tokens' parents,
                                              # listed best-first (drafting/trees.py); None: single paths
-    scores: list[list[float]] | None = None  # trees: each token's estimated path probability
+    scores: list[list[float]] | None = None  # tree drafters: each token's estimated path probability (kept
+                                             # where every tree came out a single path)
 
     @classmethod
     def from_lists(cls, proposals: list[list[int]], device, probs=None, parents: list[list[int]] | None = None,
@@ -43,7 +44,7 @@ class DraftBatch:
         flat = [t for p in proposals for t in p]
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
         if parents is not None and all(is_chain(p) for p in parents):
-            parents = scores = None
+            parents = None
         return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs,
                    [list(p) for p in proposals], parents, scores)
 
@@ -65,11 +66,9 @@ class DraftBatch:
         drafting/trees.py lists them)."""
         if self.draft_probs is not None:
             raise ValueError("truncating a tree with q rows: only one-hot trees are listed best-first")
-        if self.parents is None:
-            return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device)
         return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
-                                     [p[:k] for p, k in zip(self.parents, keep)],
-                                     [s[:k] for s, k in zip(self.scores, keep)])
+                                     None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
+                                     None if self.scores is None else [s[:k] for s, k in zip(self.scores, keep)])
 
     def tokens(self, b: int) -> list[int]:
         return self.proposals[b]

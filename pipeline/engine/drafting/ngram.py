@@ -55,7 +55,8 @@ def _followers(continuations: list[tuple[int, ...]]):
         for c in continuations:
             if len(c) > len(path) and c[:len(path)] == path:
                 counts[c[len(path)]] = counts.get(c[len(path)], 0) + 1
-        return [(n, t, path + (t,)) for t, n in counts.items()]
+        total = sum(counts.values())
+        return [(n / total, t, path + (t,)) for t, n in counts.items()]
     return follow
 
 

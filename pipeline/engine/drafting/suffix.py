@@ -36,16 +36,19 @@ keep the most-frequent walk, one-hot q.
 
 Token trees (`drafting.tree.max_tokens` > 0): instead of one walk, each index grows a tree best-first
 from the same node by the same estimated probabilities (drafting/trees.py), at most
-`tree.max_branches` continuations per token, at most `tree.max_tokens` tokens, depth and min_prob as
-the walk's; the tree with the higher score (the sum of its tokens' path probabilities) wins, the
+`tree.max_branches` continuations per token, at most `tree.max_tokens` tokens in any shape, min_prob
+and max_spec_factor as the walk's. Its depth is bounded by the tree's size and by half the indexed
+depth (`max_depth` / 2, the rest left to the match), not by the engine's path length: where the index
+is sure, the budget goes deep (SuffixDecoding's trees), where it is not, wide. The tree with the higher score (the sum of its tokens' path probabilities) wins, the
 per-request one on ties. Tree tokens are one-hot for every sequence, sampled or not: the tree holds
 the continuations a sampled walk would choose among, and the verifier tries each in turn. With
 `max_branches` 1 the tree is the most-frequent walk.
 
 The longest match often continues one way only; a tree then also offers what followed shorter
 matches of the context (half its length, and `min_match` tokens): the tokens only a shorter context
-saw share one extra count beside the longest's counts (an escape, as in PPM compression), and the
-tree grows under each token from the longest context that saw it. Counts estimate; they never
+saw share the weight of one extra count beside the longest's T counts, 1 / (T + 1) (an escape, as in
+PPM compression), while the longest's own tokens keep count / T, as the walk estimates them (so the
+tree's likeliest path is the walk); the tree grows under each token from the longest context that saw it. Counts estimate; they never
 change what is accepted.
 
 The index is plain Python; torch only draws the uniforms. This module knows nothing about models,
@@ -205,9 +208,11 @@ class SuffixTrie:
 
     def backoff_continuations(self, state: tuple, minus: "SuffixTrie | None") -> list[tuple]:
         """Continuations of a state of several context lengths ((node, minus_node) pairs, longest
-        first): the longest's counts, and one count more shared by the tokens only shorter contexts
-        saw, in proportion to their counts there (an escape, as PPM's method A). The state after a
-        token: the nodes of the contexts that saw it."""
+        first), as (estimated probability, token, state after it). The longest context's tokens keep
+        its shares (count / its total T), as its walk estimates them; the tokens only shorter contexts
+        saw share 1 / (T + 1) in proportion to their counts there (one escape count beside T, as in
+        PPM's method A), so they rank below what the longest context saw once and never dilute it. The
+        state after a token: the nodes of the contexts that saw it."""
         merged: dict[int, list] = {}
         escape: list[tuple[int, int]] = []
         for level, (node, minus_node) in enumerate(state):
@@ -219,14 +224,14 @@ class SuffixTrie:
                 else:
                     merged[token] = [0, token, [child]]
                     escape.append((token, n))
-        if escape and len(escape) < len(merged):      # tokens only shorter contexts saw share one count
+        longest = sum(m[0] for m in merged.values())
+        for m in merged.values():
+            m[0] /= max(longest, 1)
+        if escape:                    # the longest saw nothing (T = 0): the shorter's shares alone
             total = sum(n for _, n in escape)
             for token, n in escape:
-                merged[token][0] = n / total
-        elif escape:                                  # the longest saw nothing: the shorter's counts
-            for token, n in escape:
-                merged[token][0] = n
-        return [(n, token, tuple(children)) for n, token, children in merged.values() if n > 0]
+                merged[token][0] = n / total / (longest + 1)
+        return [(p, token, tuple(children)) for p, token, children in merged.values() if p > 0]
 
     def match(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> "Match | None":
@@ -445,6 +450,7 @@ class SuffixDrafter(FreeDrafter):
             return best
         own = self._synced(seq)
         context = seq.all_ids()[-self.params.max_depth:]
+        depth = min(depth, self.params.max_depth // 2)       # half the indexed depth is left to the match
         found = [own.match(context, depth, self.params)]
         if self.cache.num_tokens:
             found.append(self.cache.trie.match(context, depth, self.params,

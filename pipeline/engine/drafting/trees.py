@@ -2,7 +2,8 @@
 part of the suffix and n-gram drafters' trees.
 
 Each tree token carries its *estimated path probability*: the product, along its path, of each
-token's count over its parent's continuations' counts. Growth pops the likeliest candidate, adds
+token's estimated probability given its parent (the index's share: its count over the parent's
+continuations' counts). Growth pops the likeliest candidate, adds
 it, and offers its `max_branches` most frequent continuations as candidates, until `max_tokens`
 tokens, the depth limit, or a candidate below `min_prob`. The tokens come out in the order they were
 added: parents before children, siblings likeliest first, and path probabilities non-increasing,
@@ -21,8 +22,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-# a state's continuations: (count, token, the state after it)
-Continuations = Callable[[Hashable], list[tuple[int, int, Hashable]]]
+# a state's continuations: (estimated probability given the state, token, the state after it)
+Continuations = Callable[[Hashable], list[tuple[float, int, Hashable]]]
 
 
 @dataclass
@@ -47,10 +48,8 @@ def grow_tree(root, continuations: Continuations, max_depth: int, max_tokens: in
         nonlocal order
         if depth > max_depth:
             return
-        options = continuations(state)
-        total = sum(o[0] for o in options)
-        for count, token, child in sorted(options, key=lambda o: -o[0])[:max_branches]:
-            p = prob * count / total
+        for share, token, child in sorted(continuations(state), key=lambda o: -o[0])[:max_branches]:
+            p = prob * share
             if p >= min_prob:
                 heapq.heappush(heap, (-p, order, parent, token, child, depth))
                 order += 1

@@ -15,8 +15,8 @@ from pipeline.engine.drafting.trees import grow_tree
 # its last token + 1 (4 times) or + 2 (1 time)
 def toy(path):
     if not path:
-        return [(6, 7, (7,)), (3, 8, (8,)), (1, 9, (9,))]
-    return [(4, path[-1] + 1, path + (path[-1] + 1,)), (1, path[-1] + 2, path + (path[-1] + 2,))]
+        return [(0.6, 7, (7,)), (0.3, 8, (8,)), (0.1, 9, (9,))]
+    return [(0.8, path[-1] + 1, path + (path[-1] + 1,)), (0.2, path[-1] + 2, path + (path[-1] + 2,))]
 
 
 def test_growth_is_best_first_and_bounded():
@@ -85,21 +85,38 @@ def sizing(verify_curve):
     costs = CostModel()
     costs.verify_curve = verify_curve
     policy = AdaptiveDraftLength(4, costs, draft_is_free=True)
-    policy.tree_ratio = [1.0, 1.0]
+    policy.tree_prior = 1.0                  # the estimates taken at their word until rounds say otherwise
     return policy
 
 
 def test_tree_sizes_follow_the_verify_curve():
     scores = [[0.9, 0.5, 0.3, 0.05], [0.6, 0.2]]
+    parents = [[-1, -1, 0, 2], [-1, 0]]
     # flat up to 8 tokens (weight-bound), then steep: every token worth anything until the curve turns
     flat = sizing([(1, 1.0), (8, 1.0), (16, 3.0)])
-    assert flat.tree_sizes(scores) == [4, 2]
+    assert flat.tree_sizes(scores, parents) == [4, 2]
     # each token costs 0.3 of a 1-token step: rates 2/1.3, 2.9/1.6, 3.5/1.9, 4.0/2.2: the best two only
     steep = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2), (6, 2.5), (7, 2.8), (8, 3.1)])
-    assert steep.tree_sizes(scores) == [1, 1]
+    assert steep.tree_sizes(scores, parents) == [1, 1]
     # a draft never pays at 3x a step per token: no draft at all
-    assert sizing([(1, 1.0), (2, 4.0), (8, 22.0)]).tree_sizes(scores) == [0, 0]
+    assert sizing([(1, 1.0), (2, 4.0), (8, 22.0)]).tree_sizes(scores, parents) == [0, 0]
     # the calibration scales the estimate: observed depth half the estimate halves every score
-    half = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2), (6, 2.5), (7, 2.8), (8, 3.1)])
-    half.observe_tree(10.0, 5)
-    assert half.tree_calibration < 1.0 and sum(half.tree_sizes(scores)) < 3
+    # the calibration scales the estimate: trees whose first token was never accepted shrink
+    rejected = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2), (6, 2.5), (7, 2.8), (8, 3.1)])
+    for _ in range(4):
+        rejected.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
+    assert rejected.tree_calibration[0] == pytest.approx(2 / 6, rel=0.05)    # (0 + 2 * prior) / (~4 + 2)
+    assert sum(rejected.tree_sizes(scores, parents)) < 2
+
+
+def test_tree_sizes_discount_the_depths_an_index_overrates():
+    """A one-occurrence chain estimates 1 at every depth; rounds that accept its first token and no more
+    teach c_1 ~ 1 and c_2.. ~ 0, so only the first token stays worth its cost."""
+    policy = sizing([(1, 1.0), (2, 1.3), (3, 1.6), (4, 1.9), (5, 2.2)])
+    chain = [-1, 0, 1, 2]
+    assert policy.tree_sizes([[1.0] * 4], [chain]) == [4]                     # taken at its word
+    for _ in range(50):
+        policy.observe_tree([1.0] * 4, chain, 1)
+    c = policy.tree_calibration
+    assert c[0] > 0.95 and c[1] < 0.1 and c == sorted(c, reverse=True)
+    assert policy.tree_sizes([[1.0] * 4], [chain]) == [1]

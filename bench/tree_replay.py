@@ -1,0 +1,88 @@
+"""Greedy acceptance of the suffix and n-gram drafters replayed over fixed texts, without a model.
+
+A greedy target's output does not depend on the drafts, so the text a plain run produced is the text
+every speculative run produces: replaying it round by round says exactly how many draft tokens each
+drafter would have had accepted (a path: its longest prefix that matches the text; a tree: its deepest
+path that does), in seconds instead of a model run per setting. Sequences run one at a time (batch 1),
+each released to the worker-wide index when it ends, as the engine does.
+
+    .venv/bin/python -m bench.run_one --model smollm2 --mode engine --drafter none --batch 1 \\
+        --prompts bench/out/prompts_grounded.json --max-tokens 128 --out bench/out/plain_grounded.json
+    .venv/bin/python -m bench.tree_replay --prompts bench/out/prompts_grounded.json \\
+        --texts bench/out/plain_grounded.json
+
+Reported per setting: accepted draft tokens per round, draft tokens per round, rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipeline.engine import SamplingParams, SuffixParams, TreeParams
+from pipeline.engine.core.request import Sequence
+from pipeline.engine.core.tree import children
+from pipeline.engine.drafting.ngram import NgramDrafter
+from pipeline.engine.drafting.suffix import SuffixDrafter
+
+
+def accepted_depth(tokens: list[int], parents: list[int], truth: list[int]) -> int:
+    """The depth of the deepest tree path that `truth` begins with (a path: parents 0..n-2)."""
+    kids = children(parents)
+    node, depth = -1, 0
+    while depth < len(truth):
+        nxt = [c for c in (kids[node + 1] if node >= 0 else kids[0]) if tokens[c] == truth[depth]]
+        if not nxt:
+            break
+        node, depth = nxt[0], depth + 1
+    return depth
+
+
+def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int, tree: bool) -> dict:
+    rounds = accepted = drafted = 0
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        seq = Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0), 0)
+        pos = 0
+        while pos < len(text):
+            room = min(depth, len(text) - pos - 1)
+            if tree:
+                t = drafter.lookup_tree(seq, room)
+                tokens, parents = t.tokens, t.parents
+            else:
+                tokens = drafter.lookup(seq, room)
+                tokens = tokens.tokens if hasattr(tokens, "tokens") else tokens
+                parents = list(range(-1, len(tokens) - 1))
+            n = accepted_depth(tokens, parents, text[pos:]) if tokens else 0
+            rounds, accepted, drafted = rounds + 1, accepted + n, drafted + len(tokens)
+            seq.output_ids.extend(text[pos:pos + n + 1])
+            pos += n + 1
+            drafter.on_commit([seq])
+        drafter.release(seq)
+    return {"accepted_per_round": accepted / rounds, "draft_per_round": drafted / rounds, "rounds": rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", required=True, help="token ids per prompt (JSON list of lists)")
+    ap.add_argument("--texts", required=True, help="a greedy run_one result: its `outputs` are the texts")
+    ap.add_argument("--g", type=int, default=4, help="single paths: tokens per round")
+    ap.add_argument("--tree-tokens", default="8,16,32")
+    ap.add_argument("--tree-branches", type=int, default=4)
+    args = ap.parse_args()
+    prompts = json.load(open(args.prompts))
+    texts = json.load(open(args.texts))["outputs"]
+    prompts = prompts[:len(texts)]
+    rows = []
+    for kind in ("ngram", "suffix"):
+        make = ((lambda t: NgramDrafter(tree=t)) if kind == "ngram"
+                else (lambda t: SuffixDrafter(SuffixParams(sample_method="greedy"), tree=t)))
+        rows.append((kind, f"path {args.g}", replay(make(TreeParams()), prompts, texts, args.g, False)))
+        for size in map(int, args.tree_tokens.split(",")):
+            shape = TreeParams(max_tokens=size, max_branches=args.tree_branches)
+            rows.append((kind, f"tree {size}x{args.tree_branches}", replay(make(shape), prompts, texts, size, True)))
+    print("| drafter | draft | accepted/round | draft/round | rounds |\n|---|---|---|---|---|")
+    for kind, name, r in rows:
+        print(f"| {kind} | {name} | {r['accepted_per_round']:.2f} | {r['draft_per_round']:.2f} | {r['rounds']} |")
+
+
+if __name__ == "__main__":
+    main()
