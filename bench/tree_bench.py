@@ -15,7 +15,8 @@ Configurations (ours: bench/run_one.py, a fresh process per run, the repeats int
 Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
 two samples each, temperature 0.7), chat (MT-bench first turns, greedy). Batch 1 takes the first
 --n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running (and, ours only, batch 16 the
-first --n-b16 with 16 running, "all" the first --n-all all at once). The dtype `auto` resolves to
+first --n-b16 with 16 running, "all" the first --n-all all at once; a count of 0 skips the setting,
+and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
 (bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
 Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
 the accepted path's depth), tokens per round, the share of rounds that drafted a tree, and speedup
@@ -51,12 +52,9 @@ WORKLOADS = {   # name -> (prompt file, rows taken, temperature)
 
 def batches(args) -> list[tuple[str, int, int]]:
     """(tag, prompts, sequences running at once) per batch setting measured."""
-    out = [("b1", args.n_b1, 1), ("b4", args.n_b4, 4)]
-    if args.n_b16:
-        out.append(("b16", args.n_b16, 16))
-    if args.n_all:
-        out.append(("all", args.n_all, args.n_all))
-    return out
+    return [(tag, n, running) for tag, n, running in (("b1", args.n_b1, 1), ("b4", args.n_b4, 4),
+                                                       ("b16", args.n_b16, 16), ("all", args.n_all, args.n_all))
+            if n > 0]
 
 
 def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
@@ -168,7 +166,7 @@ def main() -> None:
     dtype = resolve_dtype("auto", "cpu").dtype
     files = prompt_files(args, workdir)
     runs = run_ours(args, files, workdir, dtype)
-    if not args.skip_vllm and VLLM_PY.exists():
+    if not args.skip_vllm and VLLM_PY.exists() and args.n_b1 and args.n_b4:
         runs.update(run_vllm(args, files, workdir, dtype))
     rows = summarise(runs)
     json.dump({"rows": rows, "runs": {k: [{x: y for x, y in r.items() if x not in ("outputs", "steps")} for r in v]

@@ -19,6 +19,9 @@ Definitions (every function takes `by`, a list of grouping columns; none = one g
                            steps from the first driver's (equal float timings are not a collision
                            that happens).
     tokens_per_s           tokens / engine_s (throughput of the engines while they decoded the group)
+    draft shape            tree (a round whose draft had several root-to-leaf paths, `paths` > 1),
+                           path (one), none (no draft); for a tree `draft_len` is its size and
+                           `accepted` the accepted path's depth
     per position i (1-based, over rounds that drafted >= 1 token, vLLM's `num_drafts`):
       unconditional        P(accepted >= i) = #rounds with accepted >= i / #rounds that drafted,
                            as vLLM's spec_decode_num_accepted_tokens_per_pos / num_drafts (a
@@ -163,6 +166,22 @@ def tokens_per_s_over_time(rounds: pd.DataFrame, bins: int = 20, by=()) -> pd.Da
                                    "tokens_per_s": tokens / width}).assign(**dict(zip(keys + ["worker"], key))))
     cols = keys + ["worker", "t_s", "tokens", "tokens_per_s"]
     return pd.concat(parts)[cols] if parts else pd.DataFrame(columns=cols)
+
+
+def by_draft_shape(rounds: pd.DataFrame, by=()) -> pd.DataFrame:
+    """Per group and draft shape (`tree`: several root-to-leaf paths, `path`: one, `none`: no draft):
+    rounds, their share, mean draft tokens verified (a tree's size), mean accepted depth and mean
+    paths. Empty for rounds logged without the `paths` column."""
+    if rounds.empty or "paths" not in rounds:
+        return pd.DataFrame()
+    df, keys = grouped(rounds, by)
+    paths = df["paths"].fillna(1).astype(int)
+    df = df.assign(shape=np.where(df["draft_len"] == 0, "none", np.where(paths > 1, "tree", "path")))
+    g = df.groupby(keys + ["shape"])
+    n = g.size()
+    return pd.DataFrame({"rounds": n, "share": n / n.groupby(level=keys).transform("sum"),
+                         "mean_draft_len": g["draft_len"].mean(), "mean_accepted": g["accepted"].mean(),
+                         "mean_paths": g["paths"].mean()})
 
 
 def format_kind(response_format) -> str:

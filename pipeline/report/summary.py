@@ -190,6 +190,8 @@ def report_text(frames: dict[str, pd.DataFrame], by: list[str]) -> str:
          "tokens_per_s = tokens / engine_s)", st.summary(c, r, e, by)),
         ("acceptance per draft position i: unconditional = P(accepted >= i) (vLLM's per-position rate), "
          "conditional = P(i accepted | 1..i-1 accepted)", pos),
+        ("draft shapes (tree: several candidate paths; draft_len = tokens verified, accepted = accepted "
+         "depth)", st.by_draft_shape(r, by)),
         ("finish reasons (completions)", st.counts(c, "finish_reason", by)),
         ("structured output per response_format kind (valid_rate: ended by the grammar and, for JSON, "
          "parses and validates; forced_share: committed tokens the grammar forced; acceptance_rate: the "

@@ -219,3 +219,15 @@ def test_per_format_validity_forced_share_and_acceptance():
     assert x["acceptance_rate"] == (2 - 2) / (6 - 2)       # accepted 2 + 0, both of them forced
     assert x["forced_acceptance"] == 1.0
     assert y["rows"] == 1 and pd.isna(y["valid_rate"]) and y["acceptance_rate"] == 4 / 5
+
+
+def test_draft_shapes_split_trees_paths_and_no_draft():
+    rounds = pd.DataFrame(_rounds()).assign(paths=[3, 1, 1, 2, 0])    # x: a tree then a path; y: ...
+    table = st.by_draft_shape(rounds, ["kind"])
+    a_tree, a_path = table.loc[("a", "tree")], table.loc[("a", "path")]
+    assert a_tree["rounds"] == 1 and a_tree["share"] == 0.5 and a_tree["mean_paths"] == 3
+    assert a_path["mean_accepted"] == 0 and a_path["mean_draft_len"] == 3
+    b = table.loc["b"]
+    assert set(b.index) == {"tree", "path", "none"} and b.loc["none", "rounds"] == 1
+    assert b.loc["tree", "mean_accepted"] == 1 and b["share"].sum() == pytest.approx(1.0)
+    assert st.by_draft_shape(pd.DataFrame(_rounds())).empty          # logged without `paths`
