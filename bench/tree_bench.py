@@ -72,11 +72,11 @@ def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
 def run_ours(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     configs = [c for c in args.configs.split(",") if c in OURS]
+    running = {tag: size for tag, _, size in batches(args)}
     for rep in range(args.repeats):
         for (workload, batch), pfile in files.items():
             temperature = WORKLOADS[workload][2]
-            size = {tag: running for tag, _, running in batches(args)}[batch]
-            common = ["--mode", "engine", "--batch", str(size), "--max-tokens", str(args.max_tokens),
+            common = ["--mode", "engine", "--batch", str(running[batch]), "--max-tokens", str(args.max_tokens),
                       "--dtype", dtype, "--temperature", str(temperature)]
             for name in configs:
                 key = f"{workload}/{batch}/{name}"

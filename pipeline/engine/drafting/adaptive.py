@@ -223,9 +223,13 @@ class AdaptiveDraftLength:
         return out
 
     def observe_tree(self, scores: list[float], parents: list[int], accepted: int, decay: float = 0.98) -> None:
-        """One row's round: its tree's estimates (by depth) against the depth it accepted."""
-        per_depth = [0.0] * max(depths(parents), default=0)
-        for score, d in zip(scores, depths(parents)):
+        """One row's round: its tree's estimates (by depth) against the depth it accepted. A row that
+        drafted nothing says nothing about the estimates."""
+        if not parents:
+            return
+        row_depths = depths(parents)
+        per_depth = [0.0] * max(row_depths)
+        for score, d in zip(scores, row_depths):
             per_depth[d - 1] += score
         self._tree_depths += [[0.0, 0.0] for _ in range(len(per_depth) - len(self._tree_depths))]
         for d, stats in enumerate(self._tree_depths, start=1):

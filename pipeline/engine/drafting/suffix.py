@@ -39,17 +39,18 @@ from the same node by the same estimated probabilities (drafting/trees.py), at m
 `tree.max_branches` continuations per token, at most `tree.max_tokens` tokens in any shape, min_prob
 and max_spec_factor as the walk's. Its depth is bounded by the tree's size and by half the indexed
 depth (`max_depth` / 2, the rest left to the match), not by the engine's path length: where the index
-is sure, the budget goes deep (SuffixDecoding's trees), where it is not, wide. The tree with the higher score (the sum of its tokens' path probabilities) wins, the
-per-request one on ties. Tree tokens are one-hot for every sequence, sampled or not: the tree holds
-the continuations a sampled walk would choose among, and the verifier tries each in turn. With
-`max_branches` 1 the tree is the most-frequent walk.
+is sure, the budget goes deep (SuffixDecoding's trees), where it is not, wide. The tree with the
+higher score (the sum of its tokens' path probabilities) wins, the per-request one on ties. Tree
+tokens are one-hot for every sequence, sampled or not: the tree holds the continuations a sampled
+walk would choose among, and the verifier tries each in turn. With `max_branches` 1 the tree is the
+most-frequent walk.
 
 The longest match often continues one way only; a tree then also offers what followed shorter
 matches of the context (half its length, and `min_match` tokens): the tokens only a shorter context
 saw share the weight of one extra count beside the longest's T counts, 1 / (T + 1) (an escape, as in
 PPM compression), while the longest's own tokens keep count / T, as the walk estimates them (so the
-tree's likeliest path is the walk); the tree grows under each token from the longest context that saw it. Counts estimate; they never
-change what is accepted.
+tree's likeliest path is the walk); the tree grows under each token from the longest context that
+saw it. Counts estimate; they never change what is accepted.
 
 The index is plain Python; torch only draws the uniforms. This module knows nothing about models,
 verification or rounds.
