@@ -315,11 +315,16 @@ class SpecEngine:
         return max(0, min(s.params.max_tokens - len(s.output_ids) - 1, self.config.max_model_len - s.num_tokens - 1))
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
-        """g per sequence: fixed or adaptive, never past max_tokens or the context limit."""
+        """g per sequence: fixed or adaptive, never past max_tokens or the context limit. Trees: their
+        size, or 0 for the whole step where the policy would keep none of any tree (rows under a grammar
+        then propose only their forced tokens)."""
         drafting = self.drafting
         trees = drafting.tree.max_tokens and drafting.free_method == drafting.method   # sized after proposing
         if trees:                       # a tree's depth is bounded by its size and the index, not by g
-            wanted = [drafting.tree.max_tokens] * len(batch)
+            size = drafting.tree.max_tokens
+            if drafting.adaptive and not self.policy.tree_may_pay(len(batch), size):
+                size = 0                # the policy would keep none of any tree: no lookup
+            wanted = [size] * len(batch)
         elif drafting.adaptive:
             wanted = self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
         else:

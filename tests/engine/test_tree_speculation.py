@@ -101,3 +101,20 @@ def test_adaptive_tree_sizes_keep_identity(target_model, prompts, references):
     sizes = {r.draft_len for r in rounds}
     assert len(sizes) > 2, f"adaptive sizing chose only {sizes}"
     assert engine.policy.tree_calibration, "tree rounds were observed"
+
+
+def test_no_lookup_where_no_tree_could_pay(target_model, prompts, references):
+    """Adaptive trees on a verify curve where no draft token can pay its cost: the engine never asks
+    the drafter for a tree (each lookup would be discarded) and the output is still greedy's."""
+    engine = make_engine(target_model, "ngram", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
+    engine.costs.verify_curve = [(1, 1.0), (2, 4.0), (64, 200.0)]       # a token costs 3 steps
+    asked = []
+    lookup = engine.drafter.lookup_tree
+    engine.drafter.lookup_tree = lambda seq, depth: asked.append(depth) or lookup(seq, depth)
+    done, rounds = run_requests(engine, prompts[:8], SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    assert [done[str(i)].output_ids for i in range(8)] == references[:8]
+    assert not any(asked) and all(r.draft_len == 0 for r in rounds)
+    engine.costs.verify_curve = [(1, 1.0), (64, 1.0)]                     # weight-bound: trees pay
+    done, rounds = run_requests(engine, prompts[8:16], SamplingParams(max_tokens=MAX_NEW, temperature=0),
+                                ids=[str(i) for i in range(8, 16)])
+    assert any(asked) and max(r.draft_len for r in rounds) > 0

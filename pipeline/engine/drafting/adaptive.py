@@ -30,6 +30,8 @@ over the estimates summed at depth d (decayed sums, a prior of TREE_PRIOR for TR
 estimated tokens, each depth's prior the depth above's, never above it). An index's estimate is
 confident where it saw a continuation once (a one-occurrence chain estimates 1 at every depth), and
 the truth falls off with depth; c_d learns how fast. The policy may keep a tree, a path or nothing.
+Where no tree could pay at the step's batch size, even one whose every token were worth c_1, the
+drafter is not asked at all (tree_may_pay): a large batch pays no lookups it would discard.
 """
 from __future__ import annotations
 
@@ -235,6 +237,20 @@ class AdaptiveDraftLength:
         for d, stats in enumerate(self._tree_depths, start=1):
             stats[0] = stats[0] * decay + (accepted >= d)
             stats[1] = stats[1] * decay + (per_depth[d - 1] if d <= len(per_depth) else 0.0)
+
+    def tree_may_pay(self, batch_size: int, max_tokens: int) -> bool:
+        """Whether any trees of at most `max_tokens` tokens per row could raise a step's rate at this
+        batch size. Every token's value c_d s is at most c_1 (s <= 1, c_d non-increasing), so where m
+        tokens worth c_1 each never pay, tree_sizes keeps nothing whatever the drafter finds, and the
+        engine skips the lookup. The bound's rate (B + m c_1) / V(B + m) is monotone between the verify
+        curve's points (V is linear there), so its points and the largest m are the only ones to test."""
+        if not self.costs.is_calibrated or not batch_size:
+            return True
+        cal = self.tree_calibration
+        value, most = (cal[0] if cal else self.tree_prior), batch_size * max_tokens
+        rate = lambda m: (batch_size + m * value) / self.costs.verify_cost(batch_size + m)
+        ends = {x - batch_size for x, _ in self.costs.verify_curve if 0 < x - batch_size < most} | {most}
+        return any(rate(m) > rate(0) * 1.0001 for m in ends)
 
     def tree_sizes(self, scores: list[list[float]], parents: list[list[int]]) -> list[int]:
         """Tokens to keep of each row's tree (module docstring); rows listed best-first."""

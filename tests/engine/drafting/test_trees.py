@@ -5,7 +5,7 @@ import pytest
 from pipeline.engine import SamplingParams, SuffixParams, TreeParams
 from pipeline.engine.core.request import Sequence
 from pipeline.engine.core.tree import check, children, depths
-from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel
+from pipeline.engine.drafting.adaptive import TREE_PRIOR, AdaptiveDraftLength, CostModel
 from pipeline.engine.drafting.base import DraftBatch
 from pipeline.engine.drafting.ngram import NgramDrafter
 from pipeline.engine.drafting.suffix import SuffixDrafter
@@ -120,3 +120,41 @@ def test_tree_sizes_discount_the_depths_an_index_overrates():
     c = policy.tree_calibration
     assert c[0] > 0.95 and c[1] < 0.1 and c == sorted(c, reverse=True)
     assert policy.tree_sizes([[1.0] * 4], [chain]) == [1]
+
+
+def test_no_tree_pays_only_where_sizing_keeps_nothing():
+    """tree_may_pay is a bound: where it says no tree could pay, tree_sizes keeps nothing of any trees
+    (path probabilities at most 1, any calibration); it says no at a large batch on a steep curve and
+    yes where the step is weight-bound."""
+    import random
+    rng = random.Random(5)
+    closed = 0
+    for _ in range(400):
+        xs = sorted(rng.sample(range(1, 300), rng.randint(2, 8)))
+        ys, y, last = [], rng.uniform(0.5, 2.0), 0                  # flat stretches and steep ones
+        for x in xs:
+            y += (x - last) * rng.choice([0.0, rng.uniform(0.0, 0.2)])
+            ys.append(y)
+            last = x
+        policy = sizing(list(zip(xs, ys)))
+        policy.tree_prior = rng.uniform(0.05, 1.0)
+        for _ in range(rng.randint(0, 6)):
+            n = rng.randint(1, 5)
+            policy.observe_tree([rng.random() for _ in range(n)], list(range(-1, n - 1)), rng.randint(0, n))
+        batch, size = rng.randint(1, 40), rng.randint(1, 16)
+        trees = []
+        for _ in range(batch):
+            n = rng.randint(0, size)
+            parents = [rng.randint(-1, i - 1) for i in range(n)]
+            probs = sorted((rng.random() ** 0.3 for _ in range(n)), reverse=True)
+            trees.append((probs, parents))
+        if not policy.tree_may_pay(batch, size):
+            closed += 1
+            assert policy.tree_sizes([t[0] for t in trees], [t[1] for t in trees]) == [0] * batch
+    assert 20 < closed < 380, f"the bound closed {closed} of 400 cases"
+    steep = [(1, 10.0), (16, 40.0), (32, 68.0), (64, 113.0)]        # a 2-core CPU's bf16 verify curve (ms)
+    policy = sizing(steep)
+    policy.tree_prior = TREE_PRIOR
+    assert not policy.tree_may_pay(16, 16) and policy.tree_may_pay(1, 16)
+    policy.tree_prior = 1.0                           # tokens sure to be accepted pay at batch 16 too
+    assert policy.tree_may_pay(16, 16)
