@@ -34,16 +34,19 @@ the target itself spreads over continuations the index has seen (several samples
 prompt): acceptance is then sum_y min(p(y), q(y)) instead of p(most frequent y). Greedy sequences
 keep the most-frequent walk, one-hot q.
 
-Token trees (`drafting.tree.max_tokens` > 0): instead of one walk, each index grows a tree best-first
-from the same node by the same estimated probabilities (drafting/trees.py), at most
-`tree.max_branches` continuations per token, at most `tree.max_tokens` tokens in any shape, min_prob
-and max_spec_factor as the walk's. Its depth is bounded by the tree's size and by half the indexed
-depth (`max_depth` / 2, the rest left to the match), not by the engine's path length: where the index
-is sure, the budget goes deep (SuffixDecoding's trees), where it is not, wide. The tree with the
-higher score (the sum of its tokens' path probabilities) wins, the per-request one on ties. Tree
-tokens are one-hot for every sequence, sampled or not: the tree holds the continuations a sampled
-walk would choose among, and the verifier tries each in turn. With `max_branches` 1 the tree is the
-most-frequent walk.
+Token trees (`drafting.tree.max_tokens` > 0): instead of one walk, a tree is grown best-first from
+both indexes' matches at once by the same estimated probabilities (drafting/trees.py), at most
+`tree.max_branches` continuations per token, at most `tree.max_tokens` tokens in any shape, stopping
+below min_prob as the walk does. A token either index saw takes the larger of their estimates, and
+the tree grows under it in every index that saw it: the per-request index offers what this text
+continued with, the worker-wide one what the other sequences did, side by side. Its depth is bounded
+by the tree's size and by half the indexed depth (`max_depth` / 2, the rest left to the match), not
+by the engine's path length nor by max_spec_factor: where the index is sure, the budget goes deep
+(SuffixDecoding's trees), where it is not, wide, and the estimates (min_prob, and the adaptive
+policy's per-depth calibration) price depth where the walk's length rule would cut it. Tree tokens
+are one-hot for every sequence, sampled or not: the tree holds the continuations a sampled walk would
+choose among, and the verifier tries each in turn. With `max_branches` 1 and one index the tree is
+the most-frequent walk (where max_spec_factor does not cut the walk).
 
 The longest match often continues one way only; a tree then also offers what followed shorter
 matches of the context (half its length, and `min_match` tokens): the tokens only a shorter context
@@ -235,9 +238,11 @@ class SuffixTrie:
         return [(p, token, tuple(children)) for p, token, children in merged.values() if p > 0]
 
     def match(self, context: list[int], k: int, params: SuffixParams,
-              minus: "SuffixTrie | None" = None) -> "Match | None":
+              minus: "SuffixTrie | None" = None, proportional: bool = True) -> "Match | None":
         """The node a draft of up to k tokens after `context` starts from, by the module's rule; with
-        `minus`, in the counts here less minus's (a trie whose texts are all indexed here too)."""
+        `minus`, in the counts here less minus's (a trie whose texts are all indexed here too).
+        `proportional`: at most max_spec_factor * the match length tokens (single paths; a tree's
+        depth is priced by its estimates instead)."""
         length, node = self.longest_match(context, max(params.min_match, self.max_depth - k), minus)
         if length < params.min_match:
             return None
@@ -246,7 +251,8 @@ class SuffixTrie:
         for n in sorted({max(params.min_match, length // 2), params.min_match} - {length}, reverse=True):
             pattern = context[len(context) - n:]
             shorter.append((self.find(pattern), minus.find(pattern) if minus is not None else None))
-        return Match(self, node, minus, minus_node, min(k, int(params.max_spec_factor * length + 1e-9)), shorter)
+        limit = min(k, int(params.max_spec_factor * length + 1e-9)) if proportional else k
+        return Match(self, node, minus, minus_node, limit, shorter)
 
     def draft(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> tuple[list[int], float]:
@@ -287,11 +293,28 @@ class Match:
     def walk(self, min_prob: float, uniforms: list[float] | None = None) -> Walk:
         return self.trie.walk(self.node, self.limit, min_prob, self.minus, self.minus_node, uniforms)
 
-    def tree(self, min_prob: float, shape: TreeParams) -> DraftTree:
-        trie, minus = self.trie, self.minus
-        state = ((self.node, self.minus_node), *((n, m) for n, m in self.shorter if n is not None))
-        return grow_tree(state, lambda st: trie.backoff_continuations(st, minus), self.limit, shape.max_tokens,
-                         shape.max_branches, min_prob)
+    def state(self) -> tuple:
+        """The tree's root state in this index: the match's node and its shorter matches' (backoff)."""
+        return ((self.node, self.minus_node), *((n, m) for n, m in self.shorter if n is not None))
+
+
+def merged_tree(matches: list[Match], min_prob: float, shape: TreeParams) -> DraftTree:
+    """One tree over several indexes' matches (module docstring): a token's estimate is the largest
+    any index gives it, and growth under it goes on in every index that saw it, each to its own limit.
+    A state: (depth, per index its backoff state or None)."""
+    def continuations(state: tuple) -> list[tuple]:
+        depth, states = state
+        merged: dict[int, list] = {}
+        for i, (match, st) in enumerate(zip(matches, states)):
+            if st is None or depth >= match.limit:
+                continue
+            for prob, token, after in match.trie.backoff_continuations(st, match.minus):
+                entry = merged.setdefault(token, [0.0, [None] * len(matches)])
+                entry[0] = max(entry[0], prob)
+                entry[1][i] = after
+        return [(prob, token, (depth + 1, tuple(after))) for token, (prob, after) in merged.items()]
+    return grow_tree((0, tuple(m.state() for m in matches)), continuations, max(m.limit for m in matches),
+                     shape.max_tokens, shape.max_branches, min_prob)
 
 
 class RequestIndex(SuffixTrie):
@@ -444,24 +467,19 @@ class SuffixDrafter(FreeDrafter):
         return walk
 
     def lookup_tree(self, seq: Sequence, depth: int) -> DraftTree:
-        """A token tree of at most `depth` levels for `seq`: the better-scoring of its own index's and
-        the worker-wide index's trees (module docstring)."""
-        best = DraftTree([], [], [])
+        """A token tree of at most `depth` levels for `seq` over its own index and the worker-wide one
+        (module docstring)."""
         if depth <= 0:
-            return best
+            return DraftTree([], [], [])
         own = self._synced(seq)
         context = seq.all_ids()[-self.params.max_depth:]
         depth = min(depth, self.params.max_depth // 2)       # half the indexed depth is left to the match
-        found = [own.match(context, depth, self.params)]
+        found = [own.match(context, depth, self.params, proportional=False)]
         if self.cache.num_tokens:
             found.append(self.cache.trie.match(context, depth, self.params,
-                                               own if self.cache.is_indexed(seq) else None))
-        for match in found:                                  # the per-request index first: it wins ties
-            if match is not None:
-                tree = match.tree(self.params.min_prob, self.tree)
-                if tree.score > best.score:
-                    best = tree
-        return best
+                                               own if self.cache.is_indexed(seq) else None, proportional=False))
+        found = [m for m in found if m is not None]
+        return merged_tree(found, self.params.min_prob, self.tree) if found else DraftTree([], [], [])
 
     def propose(self, seqs: list[Sequence], lengths: list[int], generators,
                 guide: GuideView | None = None) -> DraftBatch:

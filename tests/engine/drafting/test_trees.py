@@ -42,8 +42,9 @@ def seq(tokens, rid="s"):
 
 def test_suffix_tree_with_one_branch_is_the_walk():
     text = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2, 3, 4, 5, 1, 2]
-    walk = SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy", max_cached_tokens=0)).lookup(seq(text), 4)
-    tree = SuffixDrafter(SuffixParams(min_match=1, max_cached_tokens=0),
+    params = dict(min_match=1, max_spec_factor=4.0, max_cached_tokens=0)
+    walk = SuffixDrafter(SuffixParams(sample_method="greedy", **params)).lookup(seq(text), 4)
+    tree = SuffixDrafter(SuffixParams(**params),
                          tree=TreeParams(max_tokens=8, max_branches=1)).lookup_tree(seq(text), 4)
     assert tree.tokens == walk.tokens and tree.parents == list(range(-1, len(walk.tokens) - 1))
 
@@ -158,3 +159,22 @@ def test_no_tree_pays_only_where_sizing_keeps_nothing():
     assert not policy.tree_may_pay(16, 16) and policy.tree_may_pay(1, 16)
     policy.tree_prior = 1.0                           # tokens sure to be accepted pay at batch 16 too
     assert policy.tree_may_pay(16, 16)
+
+
+def test_suffix_tree_holds_both_indexes_continuations():
+    """After 1 2 3 this text went on 4 5 6 and another sequence 7 8 9: one tree offers both, each
+    grown on in the index that saw it, each at the larger of the indexes' estimates."""
+    drafter = SuffixDrafter(SuffixParams(min_match=2, min_prob=0.05), tree=TreeParams(max_tokens=8, max_branches=2))
+    other = seq([20, 1, 2, 3, 7, 8, 9, 21], "other")
+    drafter.on_commit([other])
+    drafter.release(other)                                   # now in the worker-wide index only
+    tree = drafter.lookup_tree(seq([1, 2, 3, 4, 5, 6, 30, 31, 1, 2, 3]), 4)
+    check(tree.parents)
+    kids = children(tree.parents)
+    assert sorted(tree.tokens[i] for i in kids[0]) == [4, 7]
+    below = lambda token: [tree.tokens[i] for i in kids[tree.tokens.index(token) + 1]]
+    assert below(4) == [5] and below(7) == [8] and below(5) == [6] and below(8) == [9]
+    assert tree.probs[tree.tokens.index(4)] == tree.probs[tree.tokens.index(7)] == pytest.approx(1.0)
+    alone = SuffixDrafter(SuffixParams(min_match=2, min_prob=0.05, max_cached_tokens=0),
+                          tree=TreeParams(max_tokens=8, max_branches=2))
+    assert 7 not in alone.lookup_tree(seq([1, 2, 3, 4, 5, 6, 30, 31, 1, 2, 3]), 4).tokens
