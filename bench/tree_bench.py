@@ -20,7 +20,15 @@ and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
 (bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
 Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
 the accepted path's depth), tokens per round, the share of rounds that drafted a tree, and speedup
-over our plain run. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here).
+over our plain run. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here) on
+the same prompts in its tokenizer:
+
+    .venv/bin/python -m bench.make_prompts --model qwen2.5-coder-1.5b-instruct --n 32 --grounded \\
+        --out bench/out/prompts_qwen_grounded.json
+    .venv/bin/python -m bench.make_templated --model qwen2.5-coder-1.5b-instruct --seeds-per-slot 16 \\
+        --samples 2 --out bench/out/prompts_qwen_templated.json
+    .venv/bin/python -m bench.make_prompts --model qwen2.5-coder-1.5b-instruct --n 256 \\
+        --out bench/out/prompts_qwen_256.json
 """
 from __future__ import annotations
 
@@ -43,10 +51,15 @@ OURS = {
     "suffix_tree_adaptive": ["--drafter", "suffix", *TREE, "--adaptive"],
     "ngram_tree_adaptive": ["--drafter", "ngram", *TREE, "--adaptive"],
 }
-WORKLOADS = {   # name -> (prompt file, rows taken, temperature)
+WORKLOADS = {   # name -> (prompt file for SmolLM2's tokenizer, rows taken, temperature)
     "grounded": ("bench/out/prompts_grounded.json", slice(None), 0.0),
     "templated": ("bench/out/prompts_templated.json", slice(None), 0.7),
     "chat": ("bench/out/prompts_smollm2_256.json", slice(0, None, 3), 0.0),    # the MT-bench rows
+}
+QWEN_FILES = {  # the same prompts in Qwen's tokenizer and chat template
+    "grounded": "bench/out/prompts_qwen_grounded.json",
+    "templated": "bench/out/prompts_qwen_templated.json",
+    "chat": "bench/out/prompts_qwen_256.json",
 }
 
 
@@ -61,6 +74,7 @@ def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
     out = {}
     for name in args.workloads.split(","):
         path, rows, _ = WORKLOADS[name]
+        path = QWEN_FILES[name] if args.model == "qwen" else path
         prompts = json.load(open(ROOT / path))[rows]
         for batch, n, _ in batches(args):
             f = workdir / f"prompts_{name}_{batch}.json"

@@ -1,10 +1,15 @@
-"""Greedy acceptance of the suffix and n-gram drafters replayed over fixed texts, without a model.
+"""Acceptance of the suffix and n-gram drafters replayed over fixed texts, without a model.
 
 A greedy target's output does not depend on the drafts, so the text a plain run produced is the text
 every speculative run produces: replaying it round by round says exactly how many draft tokens each
 drafter would have had accepted (a path: its longest prefix that matches the text; a tree: its deepest
-path that does), in seconds instead of a model run per setting. Sequences run one at a time (batch 1),
-each released to the worker-wide index when it ends, as the engine does.
+path that does), in seconds instead of a model run per setting. Sampled texts replay exactly in
+distribution for one-hot drafts (the n-gram drafter's, every tree, the suffix walk with
+`sample_method: greedy`): the verifier tries a row's one-hot children in turn against the residual, so
+the token it emits is distributed as the target's and a child is accepted exactly when that token is
+one of them, which is what the replay counts on a text drawn from the target. (The suffix walk's
+default for sampled rows, a draw from the counts with q, is not replayed.) Sequences run one at a time
+(batch 1), each released to the worker-wide index when it ends, as the engine does.
 
     .venv/bin/python -m bench.run_one --model smollm2 --mode engine --drafter none --batch 1 \\
         --prompts bench/out/prompts_grounded.json --max-tokens 128 --out bench/out/plain_grounded.json
@@ -63,7 +68,7 @@ def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", required=True, help="token ids per prompt (JSON list of lists)")
-    ap.add_argument("--texts", required=True, help="a greedy run_one result: its `outputs` are the texts")
+    ap.add_argument("--texts", required=True, help="a plain run_one result: its `outputs` are the texts")
     ap.add_argument("--g", type=int, default=4, help="single paths: tokens per round")
     ap.add_argument("--tree-tokens", default="8,16,32")
     ap.add_argument("--tree-branches", type=int, default=4)

@@ -65,7 +65,7 @@ class SuffixParams:
     max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
     min_match: int = 2                # shortest matched suffix that may draft
     min_prob: float = 0.1             # stop when a draft token's estimated probability falls below
-    max_spec_factor: float = 1.0      # at most factor * match length draft tokens
+    max_spec_factor: float = 1.0      # a single path: at most factor * match length draft tokens
     max_cached_tokens: int = 32768    # worker-wide index: tokens of finished sequences kept (0: off)
     index_running: bool = True        # the worker-wide index also holds running sequences' text, as committed
     sample_method: str = "probabilistic"   # sampled sequences: draft by sampling the counts (keeps q) | greedy
