@@ -157,6 +157,7 @@ def expected_tokens(alpha: float, g: int) -> float:
 
 
 TREE_PRIOR = 0.5            # trees: accepted share of the index's estimate before any tree round
+GAIN = 1.0001               # a rate beats another only by more than this factor (not by rounding)
 TREE_PRIOR_WEIGHT = 2.0     # the prior's weight, in estimated tokens
 
 
@@ -211,9 +212,13 @@ class AdaptiveDraftLength:
             rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
             if g > 0 and not self.draft_is_free:
                 rate /= 1.0 + margin
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * GAIN:
                 best_g, best_rate = g, rate
         return best_g
+
+    def _tree_factor(self, cal: list[float], d: int) -> float:
+        """c_d from tree_calibration `cal`: deeper than observed, the deepest observed (the prior before any)."""
+        return cal[d - 1] if d <= len(cal) else (cal[-1] if cal else self.tree_prior)
 
     @property
     def tree_calibration(self) -> list[float]:
@@ -246,11 +251,10 @@ class AdaptiveDraftLength:
         curve's points (V is linear there), so its points and the largest m are the only ones to test."""
         if not self.costs.is_calibrated or not batch_size:
             return True
-        cal = self.tree_calibration
-        value, most = (cal[0] if cal else self.tree_prior), batch_size * max_tokens
+        value, most = self._tree_factor(self.tree_calibration, 1), batch_size * max_tokens
         rate = lambda m: (batch_size + m * value) / self.costs.verify_cost(batch_size + m)
         ends = {x - batch_size for x, _ in self.costs.verify_curve if 0 < x - batch_size < most} | {most}
-        return any(rate(m) > rate(0) * 1.0001 for m in ends)
+        return any(rate(m) > rate(0) * GAIN for m in ends)
 
     def tree_sizes(self, scores: list[list[float]], parents: list[list[int]]) -> list[int]:
         """Tokens to keep of each row's tree (module docstring); rows listed best-first."""
@@ -258,14 +262,13 @@ class AdaptiveDraftLength:
         if not self.costs.is_calibrated or not batch:
             return [len(s) for s in scores]
         cal = self.tree_calibration
-        factor = lambda d: cal[d - 1] if d <= len(cal) else (cal[-1] if cal else self.tree_prior)
-        ranked = sorted(((factor(d) * s, b, i) for b, (row, ps) in enumerate(zip(scores, parents))
+        ranked = sorted(((self._tree_factor(cal, d) * s, b, i) for b, (row, ps) in enumerate(zip(scores, parents))
                          for i, (s, d) in enumerate(zip(row, depths(ps)))), key=lambda t: (-t[0], t[1], t[2]))
         best_m, best_rate, expected = 0, batch / self.costs.verify_cost(batch), float(batch)
         for m, (value, _, _) in enumerate(ranked, start=1):
             expected += value
             rate = expected / self.costs.verify_cost(batch + m)
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * GAIN:
                 best_m, best_rate = m, rate
         keep = [0] * batch
         for _, b, _ in ranked[:best_m]:

@@ -238,11 +238,9 @@ class SuffixTrie:
         return [(p, token, tuple(children)) for p, token, children in merged.values() if p > 0]
 
     def match(self, context: list[int], k: int, params: SuffixParams,
-              minus: "SuffixTrie | None" = None, proportional: bool = True) -> "Match | None":
+              minus: "SuffixTrie | None" = None) -> "Match | None":
         """The node a draft of up to k tokens after `context` starts from, by the module's rule; with
-        `minus`, in the counts here less minus's (a trie whose texts are all indexed here too).
-        `proportional`: at most max_spec_factor * the match length tokens (single paths; a tree's
-        depth is priced by its estimates instead)."""
+        `minus`, in the counts here less minus's (a trie whose texts are all indexed here too)."""
         length, node = self.longest_match(context, max(params.min_match, self.max_depth - k), minus)
         if length < params.min_match:
             return None
@@ -251,8 +249,7 @@ class SuffixTrie:
         for n in sorted({max(params.min_match, length // 2), params.min_match} - {length}, reverse=True):
             pattern = context[len(context) - n:]
             shorter.append((self.find(pattern), minus.find(pattern) if minus is not None else None))
-        limit = min(k, int(params.max_spec_factor * length + 1e-9)) if proportional else k
-        return Match(self, node, minus, minus_node, limit, shorter)
+        return Match(self, node, minus, minus_node, min(k, int(params.max_spec_factor * length + 1e-9)), shorter)
 
     def draft(self, context: list[int], k: int, params: SuffixParams,
               minus: "SuffixTrie | None" = None) -> tuple[list[int], float]:
@@ -282,7 +279,8 @@ class Walk:
 
 @dataclass
 class Match:
-    """Where a draft starts: a node of `trie` (counts less `minus`'s at `minus_node`), at most `limit` tokens."""
+    """Where a draft starts: a node of `trie` (counts less `minus`'s at `minus_node`); a walk goes at
+    most `limit` tokens (max_spec_factor's rule), a tree as deep as its caller says."""
     trie: SuffixTrie
     node: int
     minus: SuffixTrie | None
@@ -298,23 +296,22 @@ class Match:
         return ((self.node, self.minus_node), *((n, m) for n, m in self.shorter if n is not None))
 
 
-def merged_tree(matches: list[Match], min_prob: float, shape: TreeParams) -> DraftTree:
-    """One tree over several indexes' matches (module docstring): a token's estimate is the largest
-    any index gives it, and growth under it goes on in every index that saw it, each to its own limit.
-    A state: (depth, per index its backoff state or None)."""
-    def continuations(state: tuple) -> list[tuple]:
-        depth, states = state
+def merged_tree(matches: list[Match], max_depth: int, min_prob: float, shape: TreeParams) -> DraftTree:
+    """One tree of at most `max_depth` levels over several indexes' matches (module docstring): a
+    token's estimate is the largest any index gives it, and growth under it goes on in every index
+    that saw it. A state: per index, its backoff state or None (that index never saw the path)."""
+    def continuations(states: tuple) -> list[tuple]:
         merged: dict[int, list] = {}
         for i, (match, st) in enumerate(zip(matches, states)):
-            if st is None or depth >= match.limit:
+            if st is None:
                 continue
             for prob, token, after in match.trie.backoff_continuations(st, match.minus):
                 entry = merged.setdefault(token, [0.0, [None] * len(matches)])
                 entry[0] = max(entry[0], prob)
                 entry[1][i] = after
-        return [(prob, token, (depth + 1, tuple(after))) for token, (prob, after) in merged.items()]
-    return grow_tree((0, tuple(m.state() for m in matches)), continuations, max(m.limit for m in matches),
-                     shape.max_tokens, shape.max_branches, min_prob)
+        return [(prob, token, tuple(after)) for token, (prob, after) in merged.items()]
+    return grow_tree(tuple(m.state() for m in matches), continuations, max_depth, shape.max_tokens,
+                     shape.max_branches, min_prob)
 
 
 class RequestIndex(SuffixTrie):
@@ -474,12 +471,12 @@ class SuffixDrafter(FreeDrafter):
         own = self._synced(seq)
         context = seq.all_ids()[-self.params.max_depth:]
         depth = min(depth, self.params.max_depth // 2)       # half the indexed depth is left to the match
-        found = [own.match(context, depth, self.params, proportional=False)]
+        found = [own.match(context, depth, self.params)]
         if self.cache.num_tokens:
             found.append(self.cache.trie.match(context, depth, self.params,
-                                               own if self.cache.is_indexed(seq) else None, proportional=False))
-        found = [m for m in found if m is not None]
-        return merged_tree(found, self.params.min_prob, self.tree) if found else DraftTree([], [], [])
+                                               own if self.cache.is_indexed(seq) else None))
+        found = [m for m in found if m is not None]       # trees: deep as `depth`, not as a walk's limit
+        return merged_tree(found, depth, self.params.min_prob, self.tree) if found else DraftTree([], [], [])
 
     def propose(self, seqs: list[Sequence], lengths: list[int], generators,
                 guide: GuideView | None = None) -> DraftBatch:
