@@ -52,7 +52,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
                               draft_sample_method="greedy", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                               suffix=SuffixParams(**json.loads(args.suffix)), hybrid_proposer=args.hybrid_proposer,
                               forced_tokens=args.forced_tokens == "on",
-                              tree=TreeParams(max_tokens=args.tree_tokens, max_branches=args.tree_branches))
+                              tree=TreeParams(max_tokens=args.tree_tokens, max_branches=args.tree_branches,
+                                              sampled=args.tree_sampled))
     models = ModelsConfig(target=target, draft=draft if drafting.uses_draft_model else None,
                           dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--forced-tokens", default="on", choices=["on", "off"], help="drafting.forced_tokens")
     ap.add_argument("--tree-tokens", type=int, default=0, help="drafting.tree.max_tokens (0: single paths)")
     ap.add_argument("--tree-branches", type=int, default=4, help="drafting.tree.max_branches")
+    ap.add_argument("--tree-sampled", action="store_true", help="drafting.tree.sampled")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -9,11 +9,14 @@ Configurations (ours: bench/run_one.py, a fresh process per run, the repeats int
   ngram, suffix         a single path of up to 4 tokens
   ngram_tree            a token tree: at most 16 tokens, 4 branches per token, any depth
   suffix_tree           the same from the suffix index (at most 8 deep: drafting.suffix.max_depth / 2)
+  suffix_tree_sampled   the suffix tree with sampled rows' children drawn from the counts, with q
+                        (drafting.tree.sampled)
   suffix_tree_adaptive, ngram_tree_adaptive   the tree sized per step by the cost model (drafting.adaptive)
   vllm_plain, vllm_ngram, vllm_suffix  vLLM-CPU (bench/vllm_runner.py, one load per mode and
                         workload, max_num_seqs 4, k 4; suffix: SuffixDecoding from arctic-inference, a single path)
 Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
-two samples each, temperature 0.7), chat (MT-bench first turns, greedy). Batch 1 takes the first
+two samples each, temperature 0.7), chat (MT-bench first turns, greedy), templated_x8 (the same
+with eight samples of each prompt: `bench.make_templated --seeds-per-slot 6 --samples 8`). Batch 1 takes the first
 --n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running (and, ours only, batch 16 the
 first --n-b16 with 16 running, "all" the first --n-all all at once; a count of 0 skips the setting,
 and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
@@ -49,12 +52,14 @@ OURS = {
     "suffix": ["--drafter", "suffix"],
     "suffix_tree": ["--drafter", "suffix", *TREE],
     "suffix_tree_adaptive": ["--drafter", "suffix", *TREE, "--adaptive"],
+    "suffix_tree_sampled": ["--drafter", "suffix", *TREE, "--tree-sampled"],
     "ngram_tree_adaptive": ["--drafter", "ngram", *TREE, "--adaptive"],
 }
 WORKLOADS = {   # name -> (prompt file for SmolLM2's tokenizer, rows taken, temperature)
     "grounded": ("bench/out/prompts_grounded.json", slice(None), 0.0),
     "templated": ("bench/out/prompts_templated.json", slice(None), 0.7),
     "chat": ("bench/out/prompts_smollm2_256.json", slice(0, None, 3), 0.0),    # the MT-bench rows
+    "templated_x8": ("bench/out/prompts_templated_x8.json", slice(None), 0.7),  # eight samples per prompt
 }
 QWEN_FILES = {  # the same prompts in Qwen's tokenizer and chat template
     "grounded": "bench/out/prompts_qwen_grounded.json",

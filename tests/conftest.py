@@ -112,9 +112,11 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
         return None
     if kind == "ngram":
         return NgramDrafter(min_n, max_n, tree=tree)
-    if kind in ("suffix", "suffix-greedy"):   # min_match 1 (like min_n): tiny random models rarely repeat 2-grams
+    if kind in ("suffix", "suffix-greedy", "suffix-own"):   # min_match 1 (like min_n): tiny random models
+        # rarely repeat 2-grams; suffix-own: the sequence's own text only (no worker-wide index)
         return SuffixDrafter(SuffixParams(min_match=1, sample_method="greedy" if kind == "suffix-greedy"
-                                          else "probabilistic"), tree=tree)
+                                          else "probabilistic", max_cached_tokens=0 if kind == "suffix-own"
+                                          else SuffixParams.max_cached_tokens), tree=tree)
     method = "probabilistic" if kind in ("draft-prob", "hybrid-suffix-prob") else "greedy"
     model_drafter = DraftModelDrafter(build_runner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
                                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear,

@@ -94,12 +94,16 @@ class TreeParams:
                                       # shape: as deep as the index is confident (num_speculative_tokens
                                       # bounds single paths only); adaptive: sized per step by cost
     max_branches: int = 4             # continuations offered per token, at most
+    sampled: bool = False             # suffix trees, rows that sample: draw each token's children from the
+                                      # counts without replacement, with q (default: the most frequent)
 
     def __post_init__(self):
         if not (isinstance(self.max_tokens, int) and 0 <= self.max_tokens <= MAX_TREE_TOKENS):
             raise ConfigError(f"drafting.tree.max_tokens: expected an integer in [0, {MAX_TREE_TOKENS}], "
                               f"got {self.max_tokens!r}")
         _int_at_least("drafting.tree.max_branches", self.max_branches, 1)
+        if not isinstance(self.sampled, bool):
+            raise ConfigError(f"drafting.tree.sampled: expected true or false, got {self.sampled!r}")
 
 
 @dataclass

@@ -302,7 +302,7 @@ class SpecEngine:
             self.grammar_s += time.perf_counter() - t_grammar
         else:
             found = self.drafter.propose(batch, lengths, generators)
-            if found.scores is not None and self.drafting.adaptive and found.draft_probs is None:
+            if found.scores is not None and self.drafting.adaptive:
                 found = found.truncated(self.policy.tree_sizes(
                     found.scores, [found.parents_of(b) for b in range(len(batch))]))
             zeros = [0] * len(batch)

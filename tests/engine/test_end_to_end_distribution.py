@@ -4,8 +4,9 @@ the engine matches exact enumeration of the target's probabilities (vocabulary 8
 N = 30,000 requests per case, each with its own generator (seeded from its id). Outcomes whose
 expected count is below 5 are pooled into one bin. We fail when the chi-square p-value is below
 ALPHA = 1e-5: a correct engine fails a case with probability 1e-5 (the seeds are fixed, so the
-outcome is also reproducible). A 1% error on the most likely outcomes is detected. The mutant (suffix
-drafts verified against a q other than the one they were sampled from) must fail the same test.
+outcome is also reproducible). A 1% error on the most likely outcomes is detected. The mutants (suffix
+drafts verified against a q other than the one they were sampled from; sampled tree siblings verified
+as if drawn with replacement) must fail the same test.
 """
 import itertools
 
@@ -21,14 +22,15 @@ from references import chi2_pvalue, reference_probs
 
 VOCAB, LENGTH, N, ALPHA = 8, 3, 30_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
+REPEATING = [1, 2, 1, 3, 1, 2, 1, 4, 1]     # suffix-own: its own counts after 1 (2 twice, 3, 4), far from p
 
 
 @torch.no_grad()
-def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
+def exact_distribution(model, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     prefixes = [()] + [tuple(c) for n in range(1, LENGTH) for c in itertools.product(range(VOCAB), repeat=n)]
     step = {}
     for prefix in prefixes:
-        logits = model(input_ids=torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+        logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
         step[prefix] = reference_probs(logits.double().numpy(), params)
     return {seq: float(np.prod([step[seq[:i]][seq[i]] for i in range(LENGTH)]))
             for seq in itertools.product(range(VOCAB), repeat=LENGTH)}
@@ -56,12 +58,20 @@ CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel
     "suffix-greedy": ("suffix-greedy", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
     "hybrid-suffix": ("hybrid-suffix", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
     "hybrid-suffix-prob": ("hybrid-suffix-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
-    # token trees (at most 6 tokens, 3 branches, depth 2) from the suffix index and n-gram lookup:
-    # several one-hot candidates per position, tried in turn with the residual updated between them
+    # token trees (at most 6 tokens, 3 branches, depth 2) from the suffix index and n-gram lookup,
+    # several candidates per position tried in turn with the residual updated between them: the
+    # most frequent (one-hot), or with tree.sampled drawn from the counts without replacement
+    # (sparse q, each sibling's without the ones drawn before it)
     "suffix-tree": ("suffix+tree", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
+    "suffix-sampled-tree": ("suffix+sampled-tree", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=6)),
     "ngram-tree": ("ngram+tree", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
+    # the sequence's own text only, after a prompt that repeats: sampled trees whose counts are far
+    # from the target's p, so later siblings are often tried (the worker-wide index's counts, made of
+    # the target's own samples, come so close to p that the first sibling is nearly always accepted)
+    "suffix-own-sampled-tree": ("suffix-own+sampled-tree", SamplingParams(max_tokens=LENGTH, temperature=1.0)),
 }
-TREE = TreeParams(max_tokens=6, max_branches=3)
+TREES = {"tree": TreeParams(max_tokens=6, max_branches=3),
+         "sampled-tree": TreeParams(max_tokens=6, max_branches=3, sampled=True)}
 
 
 def run_case(models, kind, params, flex=False, wrong_q=False):
@@ -69,10 +79,11 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
     whose q had more than one token). wrong_q: the mutant that verifies sampled suffix drafts
     against a uniform q over each row's support instead of the counts they were drawn from."""
     target, draft = models
-    kind, tree = kind.removesuffix("+tree"), kind.endswith("+tree")
+    kind, _, tree = kind.partition("+")
+    prompt = REPEATING if kind == "suffix-own" else PROMPT
     engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2,
                          compile="on" if flex else "off", cpu_attention="off" if flex else "on",
-                         tree=TREE if tree else TreeParams())
+                         tree=TREES[tree] if tree else TreeParams())
     spread, trees = [0], [0]
     if engine.drafter is not None:
         propose = engine.drafter.propose
@@ -91,7 +102,7 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
             return batch
         engine.drafter.propose = observed
     for i in range(N):
-        engine.add_request(f"r{i}", PROMPT, params, seed=11)
+        engine.add_request(f"r{i}", prompt, params, seed=11)
     counts: dict[tuple, int] = {}
     accepted = drafted = 0
     while engine.has_unfinished():
@@ -116,10 +127,29 @@ def test_continuations_match_exact_target(models, case):
         assert drafted == 0
     else:
         assert 0 < accepted < drafted, "the case must exercise both acceptance and rejection"
-    if kind in ("suffix", "hybrid-suffix", "hybrid-suffix-prob", "draft-prob"):
+    if kind in ("suffix", "hybrid-suffix", "hybrid-suffix-prob", "draft-prob") or kind.endswith("sampled-tree"):
         assert spread > 1000, "sampled drafts must come with q over more than one token"
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params, REPEATING if "own" in kind else PROMPT), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
+
+
+@pytest.mark.slow
+def test_sampled_tree_siblings_verified_against_the_full_counts_are_caught(models, monkeypatch):
+    """The mutant: sampled tree children drawn without replacement but each verified against the
+    parent's whole distribution (the first sibling's q), as if drawn with replacement. The same
+    chi-square test must reject it."""
+    from pipeline.engine.drafting import trees
+    draw = trees._draw
+
+    def full_q(options, n, uniforms):
+        picks = draw(options, n, uniforms)
+        return [(*pick[:3], picks[0][3]) for pick in picks]
+    monkeypatch.setattr(trees, "_draw", full_q)
+    params = CASES["suffix-own-sampled-tree"][1]
+    counts, _, _, spread = run_case(models, "suffix-own+sampled-tree", params)
+    assert spread > 1000
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params, REPEATING), N)
+    assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"
 
 
 @pytest.mark.slow

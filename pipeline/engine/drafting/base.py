@@ -62,11 +62,15 @@ class DraftBatch:
         return self.parents[b] if self.parents is not None else chain(self.num_draft[b])
 
     def truncated(self, keep: list[int]) -> "DraftBatch":
-        """Each tree's first keep[b] tokens (one-hot trees only: the best subtree of that size, as
-        drafting/trees.py lists them)."""
-        if self.draft_probs is not None:
-            raise ValueError("truncating a tree with q rows: only one-hot trees are listed best-first")
-        return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
+        """Each tree's first keep[b] tokens: the best subtree of that size, as drafting/trees.py lists
+        them (sampled trees: siblings still in the order they were drawn, each with its q row)."""
+        cu = self.cu_num_draft.tolist()
+        q = self.draft_probs
+        if q is not None:
+            kept = torch.tensor([cu[b] + i for b, k in enumerate(keep) for i in range(k)], dtype=torch.long,
+                                device=self.draft_ids.device)
+            q = q.rows(kept) if isinstance(q, SparseProbs) else q[kept]
+        return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, q,
                                      None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
                                      None if self.scores is None else [s[:k] for s, k in zip(self.scores, keep)])
 

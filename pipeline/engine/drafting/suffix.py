@@ -44,9 +44,15 @@ by the tree's size and by half the indexed depth (`max_depth` / 2, the rest left
 by the engine's path length nor by max_spec_factor: where the index is sure, the budget goes deep
 (SuffixDecoding's trees), where it is not, wide, and the estimates (min_prob, and the adaptive
 policy's per-depth calibration) price depth where the walk's length rule would cut it. Tree tokens
-are one-hot for every sequence, sampled or not: the tree holds the continuations a sampled walk would
-choose among, and the verifier tries each in turn. With `max_branches` 1 and one index the tree is
-the most-frequent walk (where max_spec_factor does not cut the walk).
+are one-hot by default, for sampled sequences too: a node's children cover the continuations the
+index saw, the token accepted there is distributed as the target's whatever the draft, so the
+subtree entered is the one under the target's own choice, and the most frequent continuation gets
+the deepest. With `tree.sampled`, a sampled sequence's children are drawn from the merged estimates
+without replacement and carry q (drafting/trees.py): the first child then takes the largest subtree
+and is accepted with probability sum_y min(p(y), q(y)), which beats the most frequent one's p(y)
+only where the counts estimate p closely (measured: bench/RESULTS.md, token trees). With
+`max_branches` 1 and one index the one-hot tree is the most-frequent walk (where max_spec_factor
+does not cut the walk).
 
 The longest match often continues one way only; a tree then also offers what followed shorter
 matches of the context (half its length, and `min_match` tokens): the tokens only a shorter context
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -296,10 +303,12 @@ class Match:
         return ((self.node, self.minus_node), *((n, m) for n, m in self.shorter if n is not None))
 
 
-def merged_tree(matches: list[Match], max_depth: int, min_prob: float, shape: TreeParams) -> DraftTree:
+def merged_tree(matches: list[Match], max_depth: int, min_prob: float, shape: TreeParams,
+                uniforms: Iterator[float] | None = None) -> DraftTree:
     """One tree of at most `max_depth` levels over several indexes' matches (module docstring): a
     token's estimate is the largest any index gives it, and growth under it goes on in every index
-    that saw it. A state: per index, its backoff state or None (that index never saw the path)."""
+    that saw it; sampled with `uniforms` (drafting/trees.py). A state: per index, its backoff state
+    or None (that index never saw the path)."""
     def continuations(states: tuple) -> list[tuple]:
         merged: dict[int, list] = {}
         for i, (match, st) in enumerate(zip(matches, states)):
@@ -311,7 +320,7 @@ def merged_tree(matches: list[Match], max_depth: int, min_prob: float, shape: Tr
                 entry[1][i] = after
         return [(prob, token, tuple(after)) for token, (prob, after) in merged.items()]
     return grow_tree(tuple(m.state() for m in matches), continuations, max_depth, shape.max_tokens,
-                     shape.max_branches, min_prob)
+                     shape.max_branches, min_prob, uniforms)
 
 
 class RequestIndex(SuffixTrie):
@@ -459,13 +468,17 @@ class SuffixDrafter(FreeDrafter):
                 other_walk = other.walk(self.params.min_prob)
                 if other_walk.score > walk.score:
                     best, walk = other, other_walk
-        if walk.tokens and self.params.sample_method == "probabilistic" and not seq.params.is_greedy:
+        if walk.tokens and self._samples(seq):
             walk = best.walk(self.params.min_prob, torch.rand(best.limit, generator=generator).tolist())
         return walk
 
-    def lookup_tree(self, seq: Sequence, depth: int) -> DraftTree:
+    def _samples(self, seq: Sequence) -> bool:
+        """`seq`'s single path is drawn from the counts (sample_method probabilistic)."""
+        return self.params.sample_method == "probabilistic" and not seq.params.is_greedy
+
+    def lookup_tree(self, seq: Sequence, depth: int, generator: torch.Generator | None = None) -> DraftTree:
         """A token tree of at most `depth` levels for `seq` over its own index and the worker-wide one
-        (module docstring)."""
+        (module docstring); drawn from `generator` where the sequence samples and trees are sampled."""
         if depth <= 0:
             return DraftTree([], [], [])
         own = self._synced(seq)
@@ -476,18 +489,30 @@ class SuffixDrafter(FreeDrafter):
             found.append(self.cache.trie.match(context, depth, self.params,
                                                own if self.cache.is_indexed(seq) else None))
         found = [m for m in found if m is not None]       # trees: deep as `depth`, not as a walk's limit
-        return merged_tree(found, depth, self.params.min_prob, self.tree) if found else DraftTree([], [], [])
+        if not found:
+            return DraftTree([], [], [])
+        uniforms = None
+        if self.tree.sampled and not seq.params.is_greedy:   # one uniform per draw: at most max_branches
+                                                              # per token and the root
+            draws = (self.tree.max_tokens + 1) * self.tree.max_branches
+            uniforms = iter(torch.rand(draws, generator=generator).tolist())
+        return merged_tree(found, depth, self.params.min_prob, self.tree, uniforms)
 
     def propose(self, seqs: list[Sequence], lengths: list[int], generators,
                 guide: GuideView | None = None) -> DraftBatch:
         if self.tree.max_tokens and guide is None:
-            trees = [self.lookup_tree(s, g) for s, g in zip(seqs, lengths)]
-            return DraftBatch.from_lists([t.tokens for t in trees], self.device, None,
+            trees = [self.lookup_tree(s, g, gen) for s, g, gen in zip(seqs, lengths, generators)]
+            return DraftBatch.from_lists([t.tokens for t in trees], self.device, _sparse_q(trees, self.device),
                                          [t.parents for t in trees], [t.probs for t in trees])
         walks = [self.lookup(s, g, gen, guide.ahead(b) if guide else ())
                  for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
-        proposals = [w.tokens for w in walks]
-        if all(w.q is None for w in walks):
-            return DraftBatch.from_lists(proposals, self.device)
-        rows = [w.q if w.q is not None else [([t], [1.0]) for t in w.tokens] for w in walks]
-        return DraftBatch.from_lists(proposals, self.device, SparseProbs.from_lists(rows, self.device))
+        return DraftBatch.from_lists([w.tokens for w in walks], self.device, _sparse_q(walks, self.device))
+
+
+def _sparse_q(drafts: list[Walk] | list[DraftTree], device) -> SparseProbs | None:
+    """q of a batch of walks or trees: their own where sampled, one-hot rows elsewhere; None where
+    every draft is one-hot."""
+    if all(d.q is None for d in drafts):
+        return None
+    rows = [d.q if d.q is not None else [([t], [1.0]) for t in d.tokens] for d in drafts]
+    return SparseProbs.from_lists(rows, device)

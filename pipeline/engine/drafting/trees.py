@@ -11,7 +11,20 @@ so the first n tokens of a tree are the best tree of n tokens by the estimate (w
 tree sizing relies on) and its siblings are verified likeliest first. A tree of one token per
 level is the single path the drafter would draft anyway.
 
-Every token is one-hot: the tree is a function of the index and the prefix, never of a draw.
+One-hot trees (greedy rows, and `uniforms` None): the tree is a function of the index and the
+prefix, never of a draw; each parent's children are its `max_branches` most frequent continuations.
+
+Sampled trees (sampled rows: `uniforms`, one per draw, from the row's draft generator): a parent's
+children are drawn from its continuations *without replacement*, each in proportion to the estimates
+left after the siblings drawn before it, and each carries that distribution as its q (support,
+probabilities) for the verifier (core/verify_tree.py: a sibling's q may depend on the earlier
+siblings, as long as it is the distribution the sibling was drawn from). A parent gets as many
+children as its one-hot tree would, and the j-th drawn child takes the j-th largest estimate as its
+own, so siblings stay listed in the order they were drawn and any first n tokens keep them in that
+order; the subtree under a child grows from the token drawn.
+Where the target spreads as the index does (several samples of one prompt), the first child is
+accepted with probability sum_y min(p(y), q(y)) rather than p(most frequent y), and the siblings
+after it catch what the residual leaves, so the tree's depth goes where the text goes.
 
 It knows nothing about tries, n-grams, models or verification: an index is reached through a
 callable that lists a state's continuations.
@@ -20,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 # a state's continuations: (estimated probability given the state, token, the state after it)
 Continuations = Callable[[Hashable], list[tuple[float, int, Hashable]]]
@@ -31,6 +44,8 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]     # core/tree.py
     probs: list[float]     # estimated path probability per token, non-increasing
+    q: list[tuple[list[int], list[float]]] | None = None   # sampled trees: per token, the (support, probs)
+                                                           # it was drawn from; None: every token one-hot
 
     @property
     def score(self) -> float:
@@ -39,26 +54,48 @@ class DraftTree:
 
 
 def grow_tree(root, continuations: Continuations, max_depth: int, max_tokens: int, max_branches: int,
-              min_prob: float) -> DraftTree:
-    tree = DraftTree([], [], [])
-    heap: list[tuple[float, int, int, int, object, int]] = []   # (-prob, order, parent, token, state, depth)
+              min_prob: float, uniforms: Iterator[float] | None = None) -> DraftTree:
+    """The tree (module docstring): one-hot, or sampled with one uniform per draw from `uniforms`."""
+    tree = DraftTree([], [], [], [] if uniforms is not None else None)
+    heap: list[tuple] = []       # (-prob, order, parent, token, state, depth, q)
     order = 0
 
     def offer(state, parent: int, prob: float, depth: int) -> None:
         nonlocal order
         if depth > max_depth:
             return
-        for share, token, child in sorted(continuations(state), key=lambda o: -o[0])[:max_branches]:
-            p = prob * share
-            if p >= min_prob:
-                heapq.heappush(heap, (-p, order, parent, token, child, depth))
-                order += 1
+        options = sorted(continuations(state), key=lambda o: -o[0])
+        ranks = [prob * share for share, _, _ in options[:max_branches]]
+        ranks = ranks[:sum(1 for p in ranks if p >= min_prob)]          # non-increasing: a prefix
+        picks = options[:len(ranks)] if uniforms is None else _draw(options, len(ranks), uniforms)
+        for p, (_, token, child, *q) in zip(ranks, picks):
+            heapq.heappush(heap, (-p, order, parent, token, child, depth, q[0] if q else None))
+            order += 1
 
     offer(root, -1, 1.0, 1)
     while heap and len(tree.tokens) < max_tokens:
-        neg, _, parent, token, state, depth = heapq.heappop(heap)
+        neg, _, parent, token, state, depth, q = heapq.heappop(heap)
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.probs.append(-neg)
+        if tree.q is not None:
+            tree.q.append(q)
         offer(state, len(tree.tokens) - 1, -neg, depth + 1)
     return tree
+
+
+def _draw(options: list[tuple], n: int, uniforms: Iterator[float]) -> list[tuple]:
+    """n continuations drawn without replacement, each in proportion to the estimates left (one
+    uniform per draw, inverse CDF in `options`' order), each as (share, token, state, its q)."""
+    left, out = list(options), []
+    for _ in range(min(n, len(left))):
+        total = sum(o[0] for o in left)
+        q = ([o[1] for o in left], [o[0] / total for o in left])
+        target, pick = next(uniforms) * total, len(left) - 1
+        for i, o in enumerate(left):
+            target -= o[0]
+            if target < 0:
+                pick = i
+                break
+        out.append((*left.pop(pick), q))
+    return out

@@ -1,11 +1,13 @@
 """Token trees on the drafting side: best-first growth (drafting/trees.py), the suffix and n-gram
 drafters' trees, a batch of trees cut to size, and the adaptive policy's tree sizing."""
 import pytest
+import torch
 
 from pipeline.engine import SamplingParams, SuffixParams, TreeParams
 from pipeline.engine.core.request import Sequence
 from pipeline.engine.core.tree import check, children, depths
 from pipeline.engine.drafting.adaptive import TREE_PRIOR, AdaptiveDraftLength, CostModel
+from pipeline.engine.core.verify import SparseProbs
 from pipeline.engine.drafting.base import DraftBatch
 from pipeline.engine.drafting.ngram import NgramDrafter
 from pipeline.engine.drafting.suffix import SuffixDrafter
@@ -61,6 +63,26 @@ def test_suffix_tree_offers_the_other_continuations():
     assert batch.is_tree and batch.proposals[0] == tree.tokens and batch.scores[0] == tree.probs
 
 
+def test_sampled_suffix_trees_only_where_configured_and_the_row_samples():
+    text = [9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2, 3, 6, 5, 1, 2, 3]     # after 1 2 3: 4 twice, 6 once
+    sampled = Sequence("s", text, SamplingParams(temperature=0.8), 0)
+    shape = TreeParams(max_tokens=6, max_branches=3)
+    params = SuffixParams(min_match=1, min_prob=0.05, max_cached_tokens=0)
+    gen = torch.Generator().manual_seed(0)
+    assert SuffixDrafter(params, tree=shape).lookup_tree(sampled, 3, gen).q is None       # the default: one-hot
+    drafter = SuffixDrafter(params, tree=TreeParams(max_tokens=6, max_branches=3, sampled=True))
+    assert drafter.lookup_tree(seq(text), 3, gen).q is None                              # greedy rows: one-hot
+    firsts = set()
+    for _ in range(40):
+        batch = drafter.propose([sampled, seq(text)], [3, 3], [gen, gen])
+        q = batch.draft_probs
+        assert int(q.row.max()) + 1 == len(batch.draft_ids)                 # a q row per token, one-hot ones too
+        root_q = [(int(t), round(float(p), 3)) for r, t, p in zip(q.row, q.token, q.prob) if r == 0]
+        assert sorted(root_q) == [(4, 0.667), (6, 0.333)]
+        firsts.add(batch.proposals[0][0])
+    assert firsts == {4, 6}, "the first child is drawn, not always the most frequent"
+
+
 def test_ngram_tree_counts_every_occurrence():
     text = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 8, 1, 2]
     drafter = NgramDrafter(2, 3, tree=TreeParams(max_tokens=6, max_branches=2))
@@ -80,6 +102,53 @@ def test_a_batch_of_trees_cut_to_size():
     cut = batch.truncated([3, 0])
     assert cut.proposals == [[5, 6, 7], []] and cut.parents == [[-1, -1, 0], []] and cut.num_draft == [3, 0]
     assert DraftBatch.from_lists([[1, 2]], "cpu", None, [[-1, 0]], [[0.5, 0.2]]).parents is None   # a path
+
+
+def test_a_batch_of_sampled_trees_cut_to_size_keeps_each_tokens_q():
+    q = [[([5, 6], [0.6, 0.4]), ([6], [1.0]), ([7, 8], [0.5, 0.5]), ([8], [1.0])], [([1, 3], [0.9, 0.1]), ([2], [1.0])]]
+    batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", SparseProbs.from_lists(q, "cpu"),
+                                  [[-1, -1, 0, 1], [-1, 0]], [[0.5, 0.4, 0.3, 0.2], [0.9, 0.8]])
+    cut = batch.truncated([3, 1])
+    assert cut.proposals == [[5, 6, 7], [1]]
+    rows = [(int(r), int(t), round(float(p), 3)) for r, t, p in zip(cut.draft_probs.row, cut.draft_probs.token,
+                                                                    cut.draft_probs.prob)]
+    assert rows == [(0, 5, 0.6), (0, 6, 0.4), (1, 6, 1.0), (2, 7, 0.5), (2, 8, 0.5), (3, 1, 0.9), (3, 3, 0.1)]
+    dense = torch.zeros(6, 10)
+    dense[torch.arange(6), torch.tensor([5, 6, 7, 8, 1, 2])] = 1.0
+    cut = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", dense, [[-1, -1, 0, 1], [-1, 0]]).truncated([2, 2])
+    assert cut.draft_probs.argmax(-1).tolist() == [5, 6, 1, 2]
+
+
+def test_sampled_children_are_drawn_without_replacement_and_carry_their_q():
+    """At the root of `toy` (7: 0.6, 8: 0.3, 9: 0.1) with two children per parent: the first child is
+    drawn from the shares, the second from what is left, each with that distribution as q; the tree's
+    shape and estimates are the one-hot tree's. Over 20,000 draws the first and second children's
+    frequencies pass a chi-square test against those distributions (each fails a correct drawer with
+    probability 1e-6), and every child's q leaves out the siblings drawn before it."""
+    from references import chi2_pvalue
+    import random
+    one_hot = grow_tree((), toy, max_depth=3, max_tokens=8, max_branches=2, min_prob=0.05)
+    rng, n = random.Random(3), 20_000
+    first, pairs = {}, {}
+    for _ in range(n):
+        tree = grow_tree((), toy, 3, 8, 2, 0.05, uniforms=iter(rng.random() for _ in range(100)))
+        check(tree.parents)
+        assert tree.parents == one_hot.parents and tree.probs == one_hot.probs
+        kids = children(tree.parents)
+        for parent_kids in kids:
+            tokens = [tree.tokens[i] for i in parent_kids]
+            assert len(set(tokens)) == len(tokens), "siblings are distinct"
+            for j, i in enumerate(parent_kids):                # q: what was left when child j was drawn
+                support, probs = tree.q[i]
+                assert not set(support) & set(tokens[:j]) and tree.tokens[i] in support
+                assert sum(probs) == pytest.approx(1.0)
+        a, b = (tree.tokens[i] for i in kids[0])
+        first[(a,)] = first.get((a,), 0) + 1
+        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    shares = {7: 0.6, 8: 0.3, 9: 0.1}
+    assert chi2_pvalue(first, {(t,): p for t, p in shares.items()}, n) > 1e-6
+    exact = {(a, b): shares[a] * shares[b] / (1 - shares[a]) for a in shares for b in shares if a != b}
+    assert chi2_pvalue(pairs, exact, n) > 1e-6
 
 
 def sizing(verify_curve):
