@@ -298,34 +298,46 @@ class SpecEngine:
             t_grammar = time.perf_counter()
             walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
             guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch], generators,
-                                    walk, self.drafting.forced_tokens)
+                                    walk, self.drafting.forced_tokens, self._sized)
             self.grammar_s += time.perf_counter() - t_grammar
         else:
-            found = self.drafter.propose(batch, lengths, generators)
-            if found.scores is not None and self.drafting.adaptive:
-                found = found.truncated(self.policy.tree_sizes(
-                    found.scores, [found.parents_of(b) for b in range(len(batch))]))
+            found = self._sized(self.drafter.propose(batch, lengths, generators))
             zeros = [0] * len(batch)
             guided = GuidedDraft(found, zeros, list(found.num_draft), zeros)
         guided.drafts = guided.drafts.to(self.target.device)
         return guided, walk, time.perf_counter() - t0, catch_up_s
 
+    def _sized(self, found: DraftBatch) -> DraftBatch:
+        """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed)."""
+        if found.scores is None or not self.drafting.adaptive:
+            return found
+        return found.truncated(self.policy.tree_sizes(found.scores, [found.parents_of(b)
+                                                                     for b in range(len(found.num_draft))]))
+
+    @property
+    def _trees(self) -> bool:
+        """The drafter proposes token trees (sized after proposing)."""
+        return bool(self.drafting.tree.max_tokens) and self.drafting.free_method == self.drafting.method
+
     def _room(self, s: Sequence) -> int:
-        """Proposal tokens at most: the round's committed tokens stay within max_tokens and the context."""
-        return max(0, min(s.params.max_tokens - len(s.output_ids) - 1, self.config.max_model_len - s.num_tokens - 1))
+        """Proposal tokens at most: their KV stays within the context, and a single path's committed
+        tokens within max_tokens (a tree's tokens are not all on one path: what it has accepted past
+        max_tokens is cut at commit)."""
+        context = self.config.max_model_len - s.num_tokens - 1
+        return max(0, context if self._trees else min(s.params.max_tokens - len(s.output_ids) - 1, context))
 
     def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
         """g per sequence: fixed or adaptive, never past max_tokens or the context limit. Trees: their
-        size, or 0 for the whole step where the policy would keep none of any tree (rows under a grammar
-        then propose only their forced tokens)."""
+        size in tokens, never past the context limit (their KV), or 0 for the whole step where the policy
+        would keep none of any tree (rows under a grammar then propose only their forced tokens); a path
+        accepted past max_tokens is cut at commit."""
         drafting = self.drafting
-        trees = drafting.tree.max_tokens and drafting.free_method == drafting.method   # sized after proposing
-        if trees:                       # a tree's depth is bounded by its size and the index, not by g
+        if self._trees:                 # a tree's depth is bounded by its size and the index, not by g
             size = drafting.tree.max_tokens
             if drafting.adaptive and not self.policy.tree_may_pay(len(batch), size):
                 size = 0                # the policy would keep none of any tree: no lookup
-            wanted = [size] * len(batch)
-        elif drafting.adaptive:
+            return [min(size, self._room(s)) for s in batch]
+        if drafting.adaptive:
             wanted = self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
         else:
             wanted = [drafting.num_speculative_tokens] * len(batch)
@@ -394,7 +406,7 @@ class SpecEngine:
             g, k = drafts.num_draft[b], out.num_accepted[b]
             tokens = out.output_ids[b][:k + 1]
             t_grammar = time.perf_counter()
-            may_stop = walk.settle(b, k, tokens[-1]) if seq.guide is not None else None
+            may_stop = walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
             self.grammar_s += time.perf_counter() - t_grammar
             emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
@@ -404,7 +416,8 @@ class SpecEngine:
             forced_accepted = sum(1 for i in forced_rows if i < k)            # as `accepted` counts them
             if drafts.is_tree:          # a rejection: the accepted path ends where the tree goes on
                 rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
-                self.policy.update(seq, k + int(rejected), k)
+                own_k = max(0, k - ahead)                   # below the forced tokens ahead
+                self.policy.update(seq, own_k + int(rejected), own_k)
             else:
                 rejected = k < g
                 self.policy.update(seq, own, max(0, min(k - ahead, own)))

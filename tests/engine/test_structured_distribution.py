@@ -2,7 +2,8 @@
 engine matches exact enumeration of the target restricted to the grammar (masked, renormalised), for
 plain decoding with forced tokens and for every kind of draft: n-gram (one-hot, cut at forbidden
 tokens), suffix sampled from counts (sparse q, a forbidden draw kept and rejected), a draft model
-drafting under the mask (dense q) and the hybrid of the last two.
+drafting under the mask (dense q), the hybrid of the last two, and token trees under the forced
+tokens (n-gram's one-hot, the suffix index's drawn from its counts).
 
 The vocabulary is 8 tokens: <eos>, a, b, c, ab, ba, {, } and the grammar `"{" ("a" | "b")+ "}"`, so
 "{" is forced, "ab" can also be spelled "a" "b" (the mask allows both), and "}" then <eos> end the
@@ -20,7 +21,7 @@ from llguidance._tokenizer import TokenizerWrapper
 
 import pipeline.engine.engine as engine_module
 from conftest import make_engine, noisy_copy, tiny_llama
-from pipeline.engine import SamplingParams
+from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.core.sampling import bitmask_to_bool
 from pipeline.engine.grammar.library import Grammars
 from references import reference_probs
@@ -29,6 +30,7 @@ from references import chi2_pvalue
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
 EOS, VOCAB, LENGTH, N, ALPHA = 0, 8, 5, 20_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
+ACAC = [1, 3, 1, 3, 1, 2, 1]    # suffix-own: its own counts after "a" are "c" twice and "b" once: mostly forbidden
 GRAMMAR = {"type": "grammar", "grammar": 'start: "{" ("a" | "b")+ "}"'}
 
 
@@ -58,7 +60,7 @@ def models():
 
 
 @torch.no_grad()
-def exact_distribution(model, grammars, params) -> dict[tuple, float]:
+def exact_distribution(model, grammars, params, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     """Every output (ending in <eos> or cut at LENGTH tokens) with its probability under the masked,
     renormalised target: enumeration with llguidance's matcher driven directly."""
     grammar = grammars.compile(params.constraint)
@@ -68,7 +70,7 @@ def exact_distribution(model, grammars, params) -> dict[tuple, float]:
         matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
         assert matcher.consume_tokens(prefix)
         allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VOCAB]
-        logits = model(input_ids=torch.tensor([PROMPT + prefix])).logits[0, -1].double().numpy()
+        logits = model(input_ids=torch.tensor([prompt + prefix])).logits[0, -1].double().numpy()
         p = reference_probs(np.where(allowed.astype(bool), logits, -np.inf), params)
         for tok in np.flatnonzero(p > 0):
             seq = prefix + [int(tok)]
@@ -83,14 +85,18 @@ def exact_distribution(model, grammars, params) -> dict[tuple, float]:
 
 def run_case(models, grammars, kind, params):
     target, draft = models
-    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, eos=[EOS], grammars=grammars)
+    kind, _, tree = kind.partition("+")
+    prompt = ACAC if kind == "suffix-own" else PROMPT
+    engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, eos=[EOS], grammars=grammars,
+                         tree=TREES[tree] if tree else TreeParams())
     for i in range(N):
-        engine.add_request(f"r{i}", PROMPT, params, seed=11)
+        engine.add_request(f"r{i}", prompt, params, seed=11)
     counts: dict[tuple, int] = {}
-    stats = dict(drafted=0, accepted=0, forced=0, forced_accepted=0)
+    stats = dict(drafted=0, accepted=0, forced=0, forced_accepted=0, trees=0)
     while engine.has_unfinished():
         out = engine.step()
         for r in out.rounds:
+            stats["trees"] += r.paths > 1
             stats["drafted"] += r.draft_len - r.forced
             stats["accepted"] += r.accepted - r.forced_accepted
             stats["forced"] += r.forced
@@ -108,7 +114,18 @@ CASES = {
     "draft-prob": ("draft-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0, response_format=GRAMMAR)),
     "hybrid-suffix-prob": ("hybrid-suffix-prob", SamplingParams(max_tokens=LENGTH, temperature=1.0,
                                                                 response_format=GRAMMAR)),
+    # token trees under the forced tokens: n-gram's one-hot (forbidden tokens dropped with their
+    # subtrees), the suffix index's drawn from its counts (forbidden draws kept, rejected for sure)
+    "ngram-tree": ("ngram+tree", SamplingParams(max_tokens=LENGTH, temperature=1.0, response_format=GRAMMAR)),
+    "suffix-sampled-tree": ("suffix+sampled-tree", SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=3,
+                                                                  response_format=GRAMMAR)),
+    # the sequence's own text only, after a prompt where "a" goes on with "c": most draws the grammar
+    # forbids, each kept for its sure rejection
+    "suffix-own-sampled-tree": ("suffix-own+sampled-tree", SamplingParams(max_tokens=LENGTH, temperature=1.0,
+                                                                          response_format=GRAMMAR)),
 }
+TREES = {"tree": TreeParams(max_tokens=6, max_branches=3),
+         "sampled-tree": TreeParams(max_tokens=6, max_branches=3, sampled=True)}
 
 
 @pytest.mark.slow
@@ -119,7 +136,10 @@ def test_outputs_match_the_masked_target(models, grammars, case):
     assert stats["forced"] > 0 and stats["forced_accepted"] > 0
     if kind != "none":
         assert 0 < stats["accepted"] < stats["drafted"], "the case must exercise acceptance and rejection"
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params), N)
+    if "tree" in kind:
+        assert stats["trees"] > 1000, "the case must draft trees with more than one path"
+    prompt = ACAC if kind.startswith("suffix-own") else PROMPT
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params, prompt), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
 
 
@@ -140,4 +160,20 @@ def test_verifying_against_the_unmasked_target_is_caught(models, grammars, monke
     counts, stats = run_case(models, grammars, kind, params)
     assert stats["drafted"] > 1000
     pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params), N)
+    assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"
+
+
+@pytest.mark.slow
+def test_dropping_forbidden_draws_from_sampled_trees_is_caught(models, grammars, monkeypatch):
+    """The mutant: a sampled tree's forbidden draws dropped like one-hot tokens instead of kept for
+    their sure rejection, so the residual after them, norm([r - q]+), is never drawn. The same
+    chi-square test must reject it."""
+    from pipeline.engine.grammar.walk import RoundWalk
+    walk_tree = RoundWalk.walk_tree
+    monkeypatch.setattr(RoundWalk, "walk_tree", lambda self, b, tokens, parents, one_hot:
+                        walk_tree(self, b, tokens, parents, [True] * len(tokens)))
+    kind, params = CASES["suffix-own-sampled-tree"]
+    counts, stats = run_case(models, grammars, kind, params)
+    assert stats["trees"] > 1000
+    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params, ACAC), N)
     assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"

@@ -17,13 +17,14 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from conftest import make_engine, noisy_copy, tiny_llama
-from pipeline.engine import RequestError, SamplingParams
+from pipeline.engine import RequestError, SamplingParams, TreeParams
 from pipeline.engine.core.response_format import parse_response_format
 from pipeline.engine.grammar.library import Grammars, grammar_text
 from pipeline.loading.models import resolve_hf_dir
 
 VOCAB, EOS, MAX_NEW, NEAR_TIE = 49152, 2, 40, 1e-3
-DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
+DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid", "ngram+tree", "suffix+tree"]
+TREE = TreeParams(max_tokens=12, max_branches=3)     # "+tree": token trees under the forced tokens
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},
@@ -130,9 +131,20 @@ def check_valid(text: str, fmt: dict) -> None:
 def test_greedy_identity_with_grammar(models, grammars, tokenizer, references, kind, batch_size):
     target, draft = models
     n = 12 if batch_size == 1 else 40
+    kind, _, tree = kind.partition("+")
     engine = make_engine(target, kind, draft, max_num_seqs=batch_size, max_model_len=160, g=4, eos=[EOS],
-                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), grammars=grammars)
+                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), grammars=grammars,
+                         tree=TREE if tree else TreeParams())
     todo = cases(tokenizer, n)
+    proposed_trees = [0]
+    if tree:
+        propose = engine.drafter.propose
+
+        def counted(*args):
+            found = propose(*args)
+            proposed_trees[0] += found.is_tree
+            return found
+        engine.drafter.propose = counted
     for i, (prompt, fmt) in enumerate(todo):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_NEW, response_format=fmt))
     rounds, done = [], {}
@@ -155,11 +167,14 @@ def test_greedy_identity_with_grammar(models, grammars, tokenizer, references, k
     assert mismatches <= 1, f"{mismatches} near-tie mismatches out of {n}"
     assert sum(c.valid for c in done.values()) >= n // 2, "most rows must finish by their grammar"
     forced = sum(r.forced for r in rounds)
-    print(kind, batch_size, forced, sum(r.forced_accepted for r in rounds), sum(r.draft_len - r.forced for r in rounds), sum(r.accepted - r.forced_accepted for r in rounds))
     assert forced > 0 and sum(r.forced_accepted for r in rounds) > 0.5 * forced
     if kind != "none":
         drafted = sum(r.draft_len - r.forced for r in rounds)
         assert drafted > 0, "the drafter's own tokens must be exercised"
+    if tree:            # the grammar prunes trees; n-gram lookup on 12 rows of a random model finds few branches
+        assert proposed_trees[0] > 0, "the drafter must propose trees under the grammar"
+        if kind == "suffix" or batch_size > 1:
+            assert any(r.paths > 1 and r.forced for r in rounds), "trees must hang under forced tokens"
     assert max(r.batch_size for r in rounds) >= batch_size * 3 // 4   # short rows finish while others wait
 
 

@@ -110,7 +110,7 @@ def test_no_lookup_where_no_tree_could_pay(target_model, prompts, references):
     engine.costs.verify_curve = [(1, 1.0), (2, 4.0), (64, 200.0)]       # a token costs 3 steps
     asked = []
     lookup = engine.drafter.lookup_tree
-    engine.drafter.lookup_tree = lambda seq, depth: asked.append(depth) or lookup(seq, depth)
+    engine.drafter.lookup_tree = lambda seq, size, *rest: asked.append(size) or lookup(seq, size, *rest)
     done, rounds = run_requests(engine, prompts[:8], SamplingParams(max_tokens=MAX_NEW, temperature=0))
     assert [done[str(i)].output_ids for i in range(8)] == references[:8]
     assert not any(asked) and all(r.draft_len == 0 for r in rounds)

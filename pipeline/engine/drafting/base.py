@@ -81,35 +81,54 @@ class DraftBatch:
         """Sequence b's proposal becomes ahead[b] + its first keep[b] tokens + trailing[b]; the
         added tokens are one-hot rows of q (None stays None: every row one-hot). Single paths only."""
         if self.parents is not None:
-            raise ValueError("a token tree cannot be spliced: drafts under a grammar are single paths")
-        device = self.draft_ids.device
+            raise ValueError("a token tree cannot be spliced: graft it under the forced tokens")
         proposals = [a + p[:k] + t for a, p, k, t in zip(ahead, self.proposals, keep, trailing)]
-        out = DraftBatch.from_lists(proposals, device)
+        out = DraftBatch.from_lists(proposals, self.draft_ids.device)
+        return self._moved_q(out, [list(range(len(a), len(a) + k)) for a, k in zip(ahead, keep)],
+                             [list(range(k)) for k in keep])
+
+    def grafted(self, ahead: list[list[int]], kept: list[list[int]]) -> "DraftBatch":
+        """Sequence b's proposal becomes the chain ahead[b] and then its tree's tokens kept[b]
+        (indices in order, every kept token's parent kept), whose root children hang under the last
+        of ahead[b]; the added tokens are one-hot rows of q."""
+        proposals, parents = [], []
+        for b, (a, keep) in enumerate(zip(ahead, kept)):
+            tree = self.parents_of(b)
+            where = {old: len(a) + i for i, old in enumerate(keep)}
+            proposals.append(a + [self.proposals[b][i] for i in keep])
+            parents.append(list(range(-1, len(a) - 1)) + [where[tree[i]] if tree[i] >= 0 else len(a) - 1
+                                                          for i in keep])
+        out = DraftBatch.from_lists(proposals, self.draft_ids.device, None, parents)
+        return self._moved_q(out, [[len(a) + i for i in range(len(keep))] for a, keep in zip(ahead, kept)], kept)
+
+    def _moved_q(self, out: "DraftBatch", dst: list[list[int]], src: list[list[int]]) -> "DraftBatch":
+        """`out` (a rearranged copy of this batch) with q: row src[b][i] of sequence b here becomes its
+        row dst[b][i] there; every other row of `out` is one-hot at its token. None stays None."""
         if self.draft_probs is None:
             return out
-        old_cu = [0, *np.cumsum(self.num_draft).tolist()]
-        new_cu = out.cu_num_draft.tolist()
-        src = [old_cu[b] + i for b, k in enumerate(keep) for i in range(k)]          # kept rows, old index
-        dst = [new_cu[b] + len(ahead[b]) + i for b, k in enumerate(keep) for i in range(k)]
-        added = [new_cu[b] + i for b, a in enumerate(ahead) for i in range(len(a))] + \
-                [new_cu[b] + len(ahead[b]) + keep[b] + i for b, t in enumerate(trailing) for i in range(len(t))]
-        added_t = torch.tensor(added, dtype=torch.long, device=device)
+        device = self.draft_ids.device
+        old_cu, new_cu = [0, *np.cumsum(self.num_draft).tolist()], out.cu_num_draft.tolist()
+        src_t = torch.tensor([old_cu[b] + i for b, rows in enumerate(src) for i in rows], dtype=torch.long,
+                             device=device)
+        dst_t = torch.tensor([new_cu[b] + i for b, rows in enumerate(dst) for i in rows], dtype=torch.long,
+                             device=device)
+        added = torch.ones(len(out.draft_ids), dtype=torch.bool, device=device)
+        added[dst_t] = False
+        added_t = added.nonzero().squeeze(1)
         if isinstance(self.draft_probs, SparseProbs):
             q = self.draft_probs
             where = torch.full((len(self.draft_ids),), -1, dtype=torch.long, device=device)
-            where[torch.tensor(src, dtype=torch.long, device=device)] = torch.tensor(dst, dtype=torch.long,
-                                                                                    device=device)
+            where[src_t] = dst_t
             moved = where[q.row]
             hit = moved >= 0
             out.draft_probs = SparseProbs(torch.cat([moved[hit], added_t]),
                                           torch.cat([q.token[hit], out.draft_ids[added_t]]),
-                                          torch.cat([q.prob[hit], torch.ones(len(added), dtype=q.prob.dtype,
+                                          torch.cat([q.prob[hit], torch.ones(len(added_t), dtype=q.prob.dtype,
                                                                              device=device)]))
             return out
         dense = torch.zeros(len(out.draft_ids), self.draft_probs.shape[-1], dtype=self.draft_probs.dtype,
                             device=device)
-        dense[torch.tensor(dst, dtype=torch.long, device=device)] = self.draft_probs[
-            torch.tensor(src, dtype=torch.long, device=device)]
+        dense[dst_t] = self.draft_probs[src_t]
         dense[added_t, out.draft_ids[added_t]] = 1.0
         out.draft_probs = dense
         return out
@@ -161,8 +180,8 @@ class Drafter(Protocol):
     def propose(self, seqs: list[Sequence], lengths: list[int],
                 generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
         """Up to lengths[b] draft tokens for seqs[b]; any random draw comes from generators[b]. A
-        drafter configured for token trees (suffix, n-gram) may return a tree per sequence instead,
-        lengths[b] its depth at most (DraftBatch.parents), where no guide is given.
+        drafter configured for token trees (suffix, n-gram) may return a tree per sequence instead
+        (DraftBatch.parents), of lengths[b] tokens at most.
         With a guide (rows constrained by a grammar): seqs[b]'s draft continues after the forced
         tokens guide.ahead(b); a drafter that draws from a spread q masks it with guide.allowed and
         reports each token with guide.advance. Token-only drafters need do neither: the engine cuts

@@ -10,6 +10,11 @@ response_format. Per constrained sequence, in order:
      spread q (suffix's sampled walk) keeps that token and drops the rest (see below);
   4. forced tokens again after the drafter's, if its whole draft stood and room is left.
 
+A token tree (suffix, n-gram with drafting.tree) hangs under the forced tokens ahead instead: every
+token is checked at its parent's state (grammar/walk.py's walk_tree), a forbidden one-hot token is
+dropped with its subtree and a forbidden token drawn from a spread q is kept without it, by the rules
+below; no forced tokens follow a tree.
+
 Why this stays exact (the verifier's rule is unchanged; p is the target masked and renormalised):
   - forced and cut one-hot proposals are functions of the committed prefix alone, as any
     token-only draft is: the proposal's length may depend on the prefix, never on a draw;
@@ -29,10 +34,12 @@ This module knows nothing about models or the verifier beyond the DraftBatch it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..core.request import Sequence
+from ..core.tree import MAX_INPUTS
 from ..grammar.walk import GuideView, RoundWalk
 from .base import DraftBatch, Drafter
 
@@ -51,15 +58,19 @@ class GuidedDraft:
 
 
 def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], room: list[int],
-                   generators: list[torch.Generator], walk: RoundWalk, forced_tokens: bool) -> GuidedDraft:
+                   generators: list[torch.Generator], walk: RoundWalk, forced_tokens: bool,
+                   sized: Callable[[DraftBatch], DraftBatch] = lambda found: found) -> GuidedDraft:
     """The round's proposal (module docstring). lengths[b]: the drafter's tokens wanted; room[b]:
-    proposal tokens at most (max_tokens and the context limit)."""
+    proposal tokens at most (max_tokens and the context limit); `sized` cuts token trees to size."""
     n = len(seqs)
     limit = [min(MAX_FORCED, r) if forced_tokens and walk.is_constrained(b) else 0 for b, r in enumerate(room)]
     for b in range(n):
         walk.ahead[b] = walk.take_forced(b, limit[b])
-    own_len = [max(0, min(g, room[b] - len(walk.ahead[b]))) for b, g in enumerate(lengths)]
-    found = drafter.propose(seqs, own_len, generators, GuideView(walk))
+    own_len = [max(0, min(g, room[b] - len(walk.ahead[b]), MAX_INPUTS - 1 - len(walk.ahead[b])))
+               for b, g in enumerate(lengths)]                  # a tree's inputs fit its visibility bits
+    found = sized(drafter.propose(seqs, own_len, generators, GuideView(walk)))
+    if found.is_tree:
+        return _grafted(found, walk)
     keep, trailing = [], []
     for b in range(n):
         tokens = found.tokens(b)
@@ -79,3 +90,17 @@ def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], r
     changed = any(walk.ahead) or any(trailing) or any(k < found.num_draft[b] for b, k in enumerate(keep))
     drafts = found.spliced(walk.ahead, keep, trailing) if changed else found
     return GuidedDraft(drafts, [len(a) for a in walk.ahead], keep, [len(t) for t in trailing])
+
+
+def _grafted(found: DraftBatch, walk: RoundWalk) -> GuidedDraft:
+    """Token trees under the forced tokens ahead, checked against each constrained row's grammar."""
+    kept = []
+    for b in range(len(found.num_draft)):
+        tree = found.parents_of(b)
+        if walk.is_constrained(b):
+            kept.append(walk.walk_tree(b, found.tokens(b), tree,
+                                       [found.is_one_hot(b, i) for i in range(len(tree))]))
+        else:
+            kept.append(list(range(len(tree))))
+    drafts = found.grafted(walk.ahead, kept)
+    return GuidedDraft(drafts, [len(a) for a in walk.ahead], [len(k) for k in kept], [0] * len(kept))

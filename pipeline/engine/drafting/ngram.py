@@ -74,16 +74,18 @@ class NgramDrafter(FreeDrafter):
             return []
         return ngram_lookup(np.asarray(seq.all_ids() + list(ahead), dtype=np.int64), self.min_n, self.max_n, k)
 
-    def lookup_tree(self, seq: Sequence, depth: int) -> DraftTree:
-        if depth <= 0:
+    def lookup_tree(self, seq: Sequence, size: int, ahead: list[int] = ()) -> DraftTree:
+        """A tree of at most `size` tokens (and tree.max_tokens) to follow seq's tokens and `ahead`."""
+        if size <= 0:
             return DraftTree([], [], [])
-        found = ngram_continuations(np.asarray(seq.all_ids(), dtype=np.int64), self.min_n, self.max_n, depth)
-        return grow_tree((), _followers(found), depth, self.tree.max_tokens, self.tree.max_branches, 0.0)
+        found = ngram_continuations(np.asarray(seq.all_ids() + list(ahead), dtype=np.int64), self.min_n,
+                                    self.max_n, size)
+        return grow_tree((), _followers(found), size, min(size, self.tree.max_tokens), self.tree.max_branches, 0.0)
 
     def propose(self, seqs: list[Sequence], lengths: list[int],
                 generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
-        if self.tree.max_tokens and guide is None:
-            trees = [self.lookup_tree(s, g) for s, g in zip(seqs, lengths)]
+        if self.tree.max_tokens:
+            trees = [self.lookup_tree(s, g, guide.ahead(b) if guide else ()) for b, (s, g) in enumerate(zip(seqs, lengths))]
             return DraftBatch.from_lists([t.tokens for t in trees], self.device, None,
                                          [t.parents for t in trees], [t.probs for t in trees])
         return DraftBatch.from_lists([self.lookup(s, g, guide.ahead(b) if guide else ())

@@ -476,14 +476,16 @@ class SuffixDrafter(FreeDrafter):
         """`seq`'s single path is drawn from the counts (sample_method probabilistic)."""
         return self.params.sample_method == "probabilistic" and not seq.params.is_greedy
 
-    def lookup_tree(self, seq: Sequence, depth: int, generator: torch.Generator | None = None) -> DraftTree:
-        """A token tree of at most `depth` levels for `seq` over its own index and the worker-wide one
-        (module docstring); drawn from `generator` where the sequence samples and trees are sampled."""
-        if depth <= 0:
+    def lookup_tree(self, seq: Sequence, size: int, generator: torch.Generator | None = None,
+                    ahead: list[int] = ()) -> DraftTree:
+        """A token tree of at most `size` tokens (and tree.max_tokens) for `seq` after its tokens and
+        `ahead`, over its own index and the worker-wide one (module docstring); drawn from `generator`
+        where the sequence samples and trees are sampled."""
+        if size <= 0:
             return DraftTree([], [], [])
         own = self._synced(seq)
-        context = seq.all_ids()[-self.params.max_depth:]
-        depth = min(depth, self.params.max_depth // 2)       # half the indexed depth is left to the match
+        context = (seq.all_ids() + list(ahead))[-self.params.max_depth:]
+        depth = min(size, self.params.max_depth // 2)        # half the indexed depth is left to the match
         found = [own.match(context, depth, self.params)]
         if self.cache.num_tokens:
             found.append(self.cache.trie.match(context, depth, self.params,
@@ -496,12 +498,14 @@ class SuffixDrafter(FreeDrafter):
                                                               # per token and the root
             draws = (self.tree.max_tokens + 1) * self.tree.max_branches
             uniforms = iter(torch.rand(draws, generator=generator).tolist())
-        return merged_tree(found, depth, self.params.min_prob, self.tree, uniforms)
+        shape = TreeParams(min(size, self.tree.max_tokens), self.tree.max_branches, self.tree.sampled)
+        return merged_tree(found, depth, self.params.min_prob, shape, uniforms)
 
     def propose(self, seqs: list[Sequence], lengths: list[int], generators,
                 guide: GuideView | None = None) -> DraftBatch:
-        if self.tree.max_tokens and guide is None:
-            trees = [self.lookup_tree(s, g, gen) for s, g, gen in zip(seqs, lengths, generators)]
+        if self.tree.max_tokens:
+            trees = [self.lookup_tree(s, g, gen, guide.ahead(b) if guide else ())
+                     for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
             return DraftBatch.from_lists([t.tokens for t in trees], self.device, _sparse_q(trees, self.device),
                                          [t.parents for t in trees], [t.probs for t in trees])
         walks = [self.lookup(s, g, gen, guide.ahead(b) if guide else ())

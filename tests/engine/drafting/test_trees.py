@@ -86,7 +86,7 @@ def test_sampled_suffix_trees_only_where_configured_and_the_row_samples():
 def test_ngram_tree_counts_every_occurrence():
     text = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 8, 1, 2]
     drafter = NgramDrafter(2, 3, tree=TreeParams(max_tokens=6, max_branches=2))
-    tree = drafter.lookup_tree(seq(text), 2)
+    tree = drafter.lookup_tree(seq(text), 6)
     kids = children(tree.parents)
     assert [tree.tokens[i] for i in kids[0]] == [3, 4]
     three = kids[0][0]
@@ -117,6 +117,25 @@ def test_a_batch_of_sampled_trees_cut_to_size_keeps_each_tokens_q():
     dense[torch.arange(6), torch.tensor([5, 6, 7, 8, 1, 2])] = 1.0
     cut = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", dense, [[-1, -1, 0, 1], [-1, 0]]).truncated([2, 2])
     assert cut.draft_probs.argmax(-1).tolist() == [5, 6, 1, 2]
+
+
+def test_trees_grafted_under_forced_tokens():
+    """Row 0: forced 7 8 ahead, then its tree's tokens 0, 2, 3 kept (the root's second child 1
+    dropped): token 0 hangs under 8, tokens 2 and 3 under token 0; row 1: nothing forced, its whole
+    tree. q moves with its token and the forced tokens get one-hot rows."""
+    q = [[([5, 9], [0.5, 0.5]), ([6], [1.0]), ([7, 4], [0.7, 0.3]), ([8], [1.0])], [([1], [1.0]), ([2], [1.0])]]
+    batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", SparseProbs.from_lists(q, "cpu"),
+                                  [[-1, -1, 0, 0], [-1, -1]])
+    out = batch.grafted([[7, 8], []], [[0, 2, 3], [0, 1]])
+    assert out.proposals == [[7, 8, 5, 7, 8], [1, 2]]
+    assert out.parents == [[-1, 0, 1, 2, 2], [-1, -1]]
+    rows = sorted((int(r), int(t), round(float(p), 2)) for r, t, p in zip(out.draft_probs.row, out.draft_probs.token,
+                                                                          out.draft_probs.prob))
+    assert rows == [(0, 7, 1.0), (1, 8, 1.0), (2, 5, 0.5), (2, 9, 0.5), (3, 4, 0.3), (3, 7, 0.7), (4, 8, 1.0),
+                    (5, 1, 1.0), (6, 2, 1.0)]
+    assert not out.is_one_hot(0, 2) and out.is_one_hot(0, 0)
+    path = DraftBatch.from_lists([[5, 6]], "cpu").spliced([[7]], [1], [[9]])       # single paths: spliced
+    assert path.proposals == [[7, 5, 9]] and path.draft_probs is None
 
 
 def test_sampled_children_are_drawn_without_replacement_and_carry_their_q():
@@ -237,7 +256,7 @@ def test_suffix_tree_holds_both_indexes_continuations():
     other = seq([20, 1, 2, 3, 7, 8, 9, 21], "other")
     drafter.on_commit([other])
     drafter.release(other)                                   # now in the worker-wide index only
-    tree = drafter.lookup_tree(seq([1, 2, 3, 4, 5, 6, 30, 31, 1, 2, 3]), 4)
+    tree = drafter.lookup_tree(seq([1, 2, 3, 4, 5, 6, 30, 31, 1, 2, 3]), 8)
     check(tree.parents)
     kids = children(tree.parents)
     assert sorted(tree.tokens[i] for i in kids[0]) == [4, 7]
