@@ -10,6 +10,8 @@ Configurations, per batch size:
   ours_constrained_forced plain decoding with forced tokens (drafts from the grammar alone)
   ours_constrained_ngram  n-gram drafts + forced tokens
   ours_constrained_suffix suffix drafts + forced tokens
+  ours_constrained_suffix_tree, ..._tree_adaptive   suffix token trees (at most 16 tokens, 4 branches)
+                          under the forced tokens, fixed or sized by the cost model (drafting.adaptive)
   vllm_guided_plain       vLLM's structured outputs (guidance backend, no free whitespace), plain
   vllm_guided_ngram       the same with vLLM's n-gram speculation
 Each of ours runs in a fresh process (bench/run_one.py), `--repeats` times, interleaved; vLLM loads
@@ -30,12 +32,15 @@ from bench.bench import ROOT, VLLM_PY, _run, run_config
 from bench.structured import rows
 from pipeline.loading.hardware import resolve_dtype
 
-OURS = {   # name -> (drafter, with formats, forced tokens)
-    "ours_free_plain": ("none", False, "off"),
-    "ours_constrained_plain": ("none", True, "off"),
-    "ours_constrained_forced": ("none", True, "on"),
-    "ours_constrained_ngram": ("ngram", True, "on"),
-    "ours_constrained_suffix": ("suffix", True, "on"),
+TREE = ["--tree-tokens", "16", "--tree-branches", "4"]
+OURS = {   # name -> (drafter, with formats, forced tokens, more run_one arguments)
+    "ours_free_plain": ("none", False, "off", []),
+    "ours_constrained_plain": ("none", True, "off", []),
+    "ours_constrained_forced": ("none", True, "on", []),
+    "ours_constrained_ngram": ("ngram", True, "on", []),
+    "ours_constrained_suffix": ("suffix", True, "on", []),
+    "ours_constrained_suffix_tree": ("suffix", True, "on", TREE),
+    "ours_constrained_suffix_tree_adaptive": ("suffix", True, "on", [*TREE, "--adaptive"]),
 }
 
 
@@ -74,8 +79,11 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-from", default=None, help="take vLLM's runs from an earlier --out JSON (its code "
                     "and inputs unchanged) instead of running it")
+    ap.add_argument("--configs", default=",".join(OURS), help="ours to run, comma-separated (default: all)")
+    ap.add_argument("--batches", default="b1,b4,all", help="batch settings to run, comma-separated")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    ours = {name: OURS[name] for name in args.configs.split(",")}
     dtype = resolve_dtype(args.dtype, "cpu").dtype
     workdir = Path(args.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -84,14 +92,15 @@ def main() -> None:
     b1_prompts.write_text(json.dumps(json.loads(prompts.read_text())[:args.n_b1]))
     b4_prompts.write_text(json.dumps(json.loads(prompts.read_text())[:args.n_b4]))
     batches = {"b1": (1, b1_prompts), "b4": (4, b4_prompts), "all": (args.n, prompts)}
+    batches = {name: batches[name] for name in args.batches.split(",")}
     runs: dict[str, list[dict]] = {}
     common = ["--max-tokens", str(args.max_tokens), "--dtype", dtype, "--compile", "off"]
     for rep in range(args.repeats):
         for bname, (batch, pfile) in batches.items():
-            for name, (drafter, constrained, forced) in OURS.items():
+            for name, (drafter, constrained, forced, more) in ours.items():
                 key = f"{name}_{bname}"
                 cfg = {"args": ["--mode", "engine", "--drafter", drafter, "--batch", str(batch),
-                                "--formats", str(formats if constrained else free), "--forced-tokens", forced]}
+                                "--formats", str(formats if constrained else free), "--forced-tokens", forced, *more]}
                 res = run_config(cfg, "smollm2", pfile, workdir / f"{key}_{rep}.json", common)
                 runs.setdefault(key, []).append(res)
                 print(key, rep, "error" if "error" in res else f"{res['tokens_per_s']:.1f} tok/s", flush=True)

@@ -48,9 +48,9 @@ def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int
         seq = Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0), 0)
         pos = 0
         while pos < len(text):
-            room = min(depth, len(text) - pos - 1)
+            room = min(depth, len(text) - pos - 1)       # a path's; a tree is sized by the KV room alone
             if tree:
-                t = drafter.lookup_tree(seq, room)
+                t = drafter.lookup_tree(seq, depth)
                 tokens, parents = t.tokens, t.parents
             else:
                 tokens = drafter.lookup(seq, room)

@@ -468,13 +468,9 @@ class SuffixDrafter(FreeDrafter):
                 other_walk = other.walk(self.params.min_prob)
                 if other_walk.score > walk.score:
                     best, walk = other, other_walk
-        if walk.tokens and self._samples(seq):
+        if walk.tokens and self.params.sample_method == "probabilistic" and not seq.params.is_greedy:
             walk = best.walk(self.params.min_prob, torch.rand(best.limit, generator=generator).tolist())
         return walk
-
-    def _samples(self, seq: Sequence) -> bool:
-        """`seq`'s single path is drawn from the counts (sample_method probabilistic)."""
-        return self.params.sample_method == "probabilistic" and not seq.params.is_greedy
 
     def lookup_tree(self, seq: Sequence, size: int, generator: torch.Generator | None = None,
                     ahead: list[int] = ()) -> DraftTree:

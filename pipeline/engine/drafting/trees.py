@@ -11,20 +11,21 @@ so the first n tokens of a tree are the best tree of n tokens by the estimate (w
 tree sizing relies on) and its siblings are verified likeliest first. A tree of one token per
 level is the single path the drafter would draft anyway.
 
-One-hot trees (greedy rows, and `uniforms` None): the tree is a function of the index and the
+One-hot trees (`uniforms` None: the default, and every greedy row): the tree is a function of the index and the
 prefix, never of a draw; each parent's children are its `max_branches` most frequent continuations.
 
-Sampled trees (sampled rows: `uniforms`, one per draw, from the row's draft generator): a parent's
+Sampled trees (`drafting.tree.sampled`, sampled rows: `uniforms`, one per draw, from the row's draft
+generator): a parent's
 children are drawn from its continuations *without replacement*, each in proportion to the estimates
 left after the siblings drawn before it, and each carries that distribution as its q (support,
 probabilities) for the verifier (core/verify_tree.py: a sibling's q may depend on the earlier
 siblings, as long as it is the distribution the sibling was drawn from). A parent gets as many
 children as its one-hot tree would, and the j-th drawn child takes the j-th largest estimate as its
 own, so siblings stay listed in the order they were drawn and any first n tokens keep them in that
-order; the subtree under a child grows from the token drawn.
-Where the target spreads as the index does (several samples of one prompt), the first child is
-accepted with probability sum_y min(p(y), q(y)) rather than p(most frequent y), and the siblings
-after it catch what the residual leaves, so the tree's depth goes where the text goes.
+order; the subtree under a child grows from the token drawn. The first child, which gets the
+deepest subtree, is then accepted with probability sum_y min(p(y), q(y)) = 1 - TV(p, q) rather than
+p(most frequent y): it pays only where the counts estimate the target's distribution that closely
+(drafting/suffix.py).
 
 It knows nothing about tries, n-grams, models or verification: an index is reached through a
 callable that lists a state's continuations.
