@@ -100,15 +100,6 @@ class SparseProbs:
     def to(self, device) -> "SparseProbs":
         return SparseProbs(self.row.to(device), self.token.to(device), self.prob.to(device))
 
-    def rows(self, kept: torch.Tensor) -> "SparseProbs":
-        """The rows `kept` (distinct, increasing), renumbered 0, 1, ... in that order."""
-        size = max(int(self.row.max()) + 1 if len(self.row) else 0, int(kept.max()) + 1 if len(kept) else 0)
-        where = torch.full((size,), -1, dtype=torch.long, device=self.row.device)
-        where[kept] = torch.arange(len(kept), device=kept.device)
-        new_row = where[self.row]
-        hit = new_row >= 0
-        return SparseProbs(new_row[hit], self.token[hit], self.prob[hit])
-
     def at(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """[num_draft_tokens] q(y) of each row's own draft token."""
         hit = self.token == draft_ids[self.row]

@@ -64,15 +64,11 @@ class DraftBatch:
     def truncated(self, keep: list[int]) -> "DraftBatch":
         """Each tree's first keep[b] tokens: the best subtree of that size, as drafting/trees.py lists
         them (sampled trees: siblings still in the order they were drawn, each with its q row)."""
-        cu = self.cu_num_draft.tolist()
-        q = self.draft_probs
-        if q is not None:
-            kept = torch.tensor([cu[b] + i for b, k in enumerate(keep) for i in range(k)], dtype=torch.long,
-                                device=self.draft_ids.device)
-            q = q.rows(kept) if isinstance(q, SparseProbs) else q[kept]
-        return DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, q,
-                                     None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
-                                     None if self.scores is None else [s[:k] for s, k in zip(self.scores, keep)])
+        out = DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
+                                    None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
+                                    None if self.scores is None else [s[:k] for s, k in zip(self.scores, keep)])
+        first = [list(range(k)) for k in keep]
+        return self._moved_q(out, first, first)
 
     def tokens(self, b: int) -> list[int]:
         return self.proposals[b]
