@@ -7,6 +7,9 @@ Shapes (one layer's call; x 30 for SmolLM2's 30 layers):
   prefill   8 rows x 256 new tokens from position 0 (a 2048-token prefill chunk, causal)
   decode    64 rows x 1 token at ~330 context (plain decoding, all at once)
   verify    32 rows x 5 tokens at ~300 context (verifying 4 drafts per row)
+  b1-path   1 row x 5 tokens at 330 (batch 1, a 4-token path)
+  b1-tree   1 row x 17 tokens at 330 (batch 1, a 16-token tree: its cost does not depend on the shape)
+  b4-tree   one row of 17 tokens and three of 1 at ~300-330 (batch 4, one row drafted a tree)
 Median of --repeats calls after a warm-up, ms per 30 layers, and GFLOP/s (4 x heads x dim x keys
 seen, summed over queries). Every output is checked against the plain-torch reference first.
 """
@@ -24,7 +27,8 @@ from pipeline.engine.backends.cpu import build as cpu_kernels
 from pipeline.engine.backends.cpu.attention import SOURCE, CpuAttention, reference
 
 SHAPES = {"prefill": [(0, 256)] * 8, "decode": [(330 + i % 30, 1) for i in range(64)],
-          "verify": [(300 + i % 30, 5) for i in range(32)]}
+          "verify": [(300 + i % 30, 5) for i in range(32)], "b1-path": [(330, 5)], "b1-tree": [(330, 17)],
+          "b4-tree": [(330, 17), (300, 1), (310, 1), (320, 1)]}
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 

@@ -9,6 +9,7 @@ import torch
 
 from conftest import tiny_llama
 from pipeline.engine.backends.cpu import attention as cpu_attention
+from pipeline.engine.core.tree import visible_inputs
 from pipeline.engine.model.runner import build_runner
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
@@ -72,6 +73,36 @@ def test_token_output_does_not_depend_on_its_step(dim, groups, dtype):
         alone = cpu_attention.kernel()(query[i:i + 1], k_store, v_store,
                                        torch.tensor([[1], [start + i], [1], [0]]), dim ** -0.5)
         assert torch.equal(together[i], alone[0]), f"token {i} (position {start + i})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rows_split_over_threads(dtype):
+    """With few rows the kernel splits a row's tokens into blocks by the thread count (so a batch-1
+    tree step fills the threads) and widens a bf16 store once per block. Two tree rows of 17 and 3
+    tokens and a causal row: the output equals the reference and is bitwise the same at 1, 2, 3 and 8
+    threads. A block reading its tree bits from the row's first token, or widening keys short of
+    the block's last token's, fails this."""
+    gen = torch.Generator().manual_seed(3)
+    dim, kv_heads, groups = 64, 3, 3
+    k_store = torch.randn(3, kv_heads, 128, dim, generator=gen).to(dtype)
+    v_store = torch.randn(3, kv_heads, 128, dim, generator=gen).to(dtype)
+    parents = [[-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11], [-1, -1], None]
+    num_new = [17, 3, 6]
+    bits = torch.tensor([b for p, n in zip(parents, num_new) for b in (visible_inputs(p) if p else [-1] * n)])
+    table = torch.tensor([[2, 0, 1], [40, 71, 9], num_new, [0, 17, 20]], dtype=torch.long)
+    query = torch.randn(sum(num_new), kv_heads * groups, dim, generator=gen) * 3
+    want = cpu_attention.reference(query, k_store, v_store, table, dim ** -0.5, bits)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            outs.append(cpu_attention.kernel()(query, k_store, v_store, table, dim ** -0.5, bits))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_first_position_sees_only_itself():

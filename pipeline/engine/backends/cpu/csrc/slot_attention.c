@@ -21,8 +21,9 @@
  * Per task: scores = q K^T (eight keys at a time, a transpose-reduce instead of one horizontal sum
  * per key), a softmax with an exponential written as vector code (2^k times a degree-6
  * polynomial, relative error ~1e-7), then out = p V, for QB queries at a time (below) so each key
- * and value vector is loaded and widened once per QB queries. Returns 0, or -1 when scratch memory
- * ran out.
+ * and value vector is loaded and widened once per QB queries. A task with many queries over a bf16
+ * store (a verify step's tokens, a prompt chunk) widens its keys and values to fp32 once instead
+ * (run, below). Returns 0, or -1 when scratch memory ran out.
  */
 #include <float.h>
 #include <stdint.h>
@@ -172,6 +173,16 @@ ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
 typedef void (*attend_fn)(const float *, const void *, const void *, float *, int64_t, int64_t, int64_t,
                           int64_t, float, float *, int64_t, const int64_t *, int64_t);
 
+/* keys and values [0, m) of one head widened from bf16 to fp32 (exactly), into dst. */
+static void widen(float *dst, const uint16_t *src, int64_t count) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) store8(dst + i, load8_bf16(src + i));
+    for (; i < count; i++) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
 static int run(const float *q, const char *k_store, const char *v_store, int64_t elem_size, float *out,
                const int64_t *rows, const int64_t *bits, int64_t num_rows, int64_t kv_heads, int64_t groups,
                int64_t cap, int64_t dim, float scale, int num_threads) {
@@ -179,11 +190,18 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
     const int64_t *slot = rows, *start = rows + num_rows, *num_new = rows + 2 * num_rows,
                   *first = rows + 3 * num_rows;
     int64_t heads = kv_heads * groups;
-    /* Tasks: (row, block of at most QBLOCK of its tokens, KV head), so a long prompt's row spreads
-       over the threads too. block_end[r]: blocks of rows 0..r. */
+    /* Tasks: (row, block of at most `qblock` of its tokens, KV head), so a long prompt's row spreads
+       over the threads too. A step of few rows with several tokens each (a verify step at batch 1: 17
+       tree tokens, 3 KV heads, 2 threads) would leave threads idle with blocks of QBLOCK, so the blocks
+       shrink until there are about four tasks per thread; a token's output does not depend on its
+       block (ATTEND above). block_end[r]: blocks of rows 0..r. */
+    int64_t total = 0;
+    for (int64_t r = 0; r < num_rows; r++) total += num_new[r];
+    int64_t qblock = (total * kv_heads + 4 * num_threads - 1) / (4 * (int64_t)(num_threads > 0 ? num_threads : 1));
+    qblock = qblock < 1 ? 1 : qblock > QBLOCK ? QBLOCK : qblock;
     int64_t *block_end = malloc(sizeof(int64_t) * num_rows);
     if (block_end == NULL) return -1;
-    for (int64_t r = 0, total = 0; r < num_rows; r++) block_end[r] = total += (num_new[r] + QBLOCK - 1) / QBLOCK;
+    for (int64_t r = 0, blocks = 0; r < num_rows; r++) block_end[r] = blocks += (num_new[r] + qblock - 1) / qblock;
     int64_t num_tasks = num_rows ? block_end[num_rows - 1] * kv_heads : 0;
     int failed = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
@@ -193,15 +211,28 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
             int64_t mid = (r + hi) / 2;
             if (block_end[mid] > b) hi = mid; else r = mid + 1;
         }
-        int64_t b0 = b - (r ? block_end[r - 1] : 0), t0 = b0 * QBLOCK;           /* first token of the block */
-        int64_t n = num_new[r] - t0 < QBLOCK ? num_new[r] - t0 : QBLOCK;
-        float *s = malloc(sizeof(float) * QB * (start[r] + t0 + n + 8));
+        int64_t b0 = b - (r ? block_end[r - 1] : 0), t0 = b0 * qblock;           /* first token of the block */
+        int64_t n = num_new[r] - t0 < qblock ? num_new[r] - t0 : qblock;
+        int64_t m = start[r] + t0 + n;                    /* keys the block's last token sees, at most */
+        /* A bf16 store's keys and values are widened once per task where the task's queries take more
+           than two passes over them (QB queries a pass): the passes then read fp32, the same numbers. */
+        int widened = elem_size == 2 && n * groups > 2 * QB;
+        float *s = malloc(sizeof(float) * (QB * (m + 8) + (widened ? 2 * m * dim : 0)));
         if (s == NULL) { failed = 1; continue; }
         int64_t kv = (slot[r] * kv_heads + h) * cap * dim, qo = ((first[r] + t0) * heads + h * groups) * dim;
-        attend_fn attend = elem_size == 4 ? (dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any)
-                                          : (dim == 64 ? attend_64_bf16 : dim == 128 ? attend_128_bf16 : attend_any_bf16);
-        attend(q + qo, k_store + kv * elem_size, v_store + kv * elem_size, out + qo, heads * dim, n,
-               start[r] + t0, groups, scale, s, dim, bits ? bits + first[r] + t0 : NULL, start[r]);
+        const void *k = k_store + kv * elem_size, *v = v_store + kv * elem_size;
+        attend_fn attend;
+        if (widened) {
+            float *k32 = s + QB * (m + 8), *v32 = k32 + m * dim;
+            widen(k32, k, m * dim);
+            widen(v32, v, m * dim);
+            k = k32;
+            v = v32;
+        }
+        if (elem_size == 4 || widened) attend = dim == 64 ? attend_64 : dim == 128 ? attend_128 : attend_any;
+        else attend = dim == 64 ? attend_64_bf16 : dim == 128 ? attend_128_bf16 : attend_any_bf16;
+        attend(q + qo, k, v, out + qo, heads * dim, n, start[r] + t0, groups, scale, s, dim,
+               bits ? bits + first[r] + t0 : NULL, start[r]);
         free(s);
     }
     free(block_end);
