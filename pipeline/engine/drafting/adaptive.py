@@ -26,8 +26,9 @@ Token trees (drafting.tree): the drafter grows each row's tree up to its size an
 best-first with an estimated path probability s (drafting/trees.py); the policy keeps, over the whole
 batch, the m likeliest tokens that maximise (B + sum c_d s) / V(B + m), where d is a token's depth
 and c_d the observed share of the estimate at that depth: the rounds that accepted at least d tokens
-over the estimates summed at depth d (decayed sums, a prior of TREE_PRIOR for TREE_PRIOR_WEIGHT
-estimated tokens, each depth's prior the depth above's, never above it). An index's estimate is
+over the estimates summed at depth d (decayed sums; depth 1's prior TREE_PRIOR for TREE_PRIOR_WEIGHT
+estimated tokens, each deeper depth's prior the depth above's c, and c_d never above c_(d-1)). Rounds that
+accept what the index estimated raise c_1 towards 1, past the prior. An index's estimate is
 confident where it saw a continuation once (a one-occurrence chain estimates 1 at every depth), and
 the truth falls off with depth; c_d learns how fast. The policy may keep a tree, a path or nothing.
 Where no tree could pay at the step's batch size, even one whose every token were worth c_1, the
@@ -223,10 +224,11 @@ class AdaptiveDraftLength:
     @property
     def tree_calibration(self) -> list[float]:
         """c_d per depth d (index d - 1): accepted share of the estimate (module docstring)."""
-        out, prev = [], self.tree_prior
+        out, prior = [], self.tree_prior
         for accepted, estimated in self._tree_depths:
-            prev = min(prev, (accepted + TREE_PRIOR_WEIGHT * prev) / (estimated + TREE_PRIOR_WEIGHT))
-            out.append(prev)
+            share = (accepted + TREE_PRIOR_WEIGHT * prior) / (estimated + TREE_PRIOR_WEIGHT)
+            prior = share if not out else min(out[-1], share)
+            out.append(prior)
         return out
 
     def observe_tree(self, scores: list[float], parents: list[int], accepted: int, decay: float = 0.98) -> None:
