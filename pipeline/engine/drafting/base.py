@@ -129,6 +129,19 @@ class DraftBatch:
         out.draft_probs = dense
         return out
 
+    def one_hot_rows(self) -> list[list[bool]]:
+        """Per sequence, per proposal: whether its q is one-hot (`is_one_hot` for every proposal at
+        once, one tensor op)."""
+        q, total = self.draft_probs, len(self.draft_ids)
+        if q is None:
+            flags = [True] * total
+        elif isinstance(q, SparseProbs):
+            flags = (torch.bincount(q.row, minlength=total)[:total] == 1).tolist()
+        else:
+            flags = (q.amax(dim=-1) >= 1.0).tolist()
+        cu = [0, *np.cumsum(self.num_draft).tolist()]
+        return [flags[cu[b]:cu[b + 1]] for b in range(len(self.num_draft))]
+
     def is_one_hot(self, b: int, i: int) -> bool:
         """q of sequence b's proposal i is one-hot (the token was not drawn from a spread q)."""
         q, row = self.draft_probs, int(self.cu_num_draft[b]) + i

@@ -94,12 +94,11 @@ def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], r
 
 def _grafted(found: DraftBatch, walk: RoundWalk) -> GuidedDraft:
     """Token trees under the forced tokens ahead, checked against each constrained row's grammar."""
-    kept = []
+    kept, one_hot = [], found.one_hot_rows()
     for b in range(len(found.num_draft)):
         tree = found.parents_of(b)
         if walk.is_constrained(b):
-            kept.append(walk.walk_tree(b, found.tokens(b), tree,
-                                       [found.is_one_hot(b, i) for i in range(len(tree))]))
+            kept.append(walk.walk_tree(b, found.tokens(b), tree, one_hot[b]))
         else:
             kept.append(list(range(len(tree))))
     drafts = found.grafted(walk.ahead, kept)
