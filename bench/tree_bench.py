@@ -22,8 +22,11 @@ first --n-b16 with 16 running, "all" the first --n-all all at once; a count of 0
 and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
 (bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
 Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
-the accepted path's depth), tokens per round, the share of rounds that drafted a tree, and speedup
-over our plain run. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here) on
+the accepted path's depth), tokens per round, the share of rounds that drafted a tree, speedup
+over our plain run, and how many of a configuration's outputs (its first run) equal the plain run's: in
+fp32 all of a greedy workload's, in bf16 a few (verifying several tokens changes the matmuls' rounding and
+near-ties flip), so bf16 configurations accept on different texts. `--dtype float32` compares them on
+one text. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here) on
 the same prompts in its tokenizer:
 
     .venv/bin/python -m bench.make_prompts --model qwen2.5-coder-1.5b-instruct --n 32 --grounded \\
@@ -143,26 +146,31 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
                                                      (spec["mean_acceptance_length"] - 1) if spec.get("mean_acceptance_length") else None),
                      "tokens_per_round": first.get("mean_tokens_per_round"),
                      "acceptance": first.get("acceptance_rate"), "tree_rounds": first.get("tree_rounds"),
-                     "mean_draft_len": first.get("mean_draft_len")})
-    base = {r["key"].rsplit("/", 1)[0]: r["tok_s"] for r in rows if r["key"].endswith("/plain") and "tok_s" in r}
+                     "mean_draft_len": first.get("mean_draft_len"), "outputs": first.get("outputs")})
+    base = {r["key"].rsplit("/", 1)[0]: (r["tok_s"], r["outputs"]) for r in rows
+            if r["key"].endswith("/plain") and "tok_s" in r}
     for r in rows:
         if "tok_s" in r:
-            r["speedup"] = r["tok_s"] / base.get(r["key"].rsplit("/", 1)[0], float("nan"))
+            tok_s, theirs = base.get(r["key"].rsplit("/", 1)[0], (float("nan"), None))
+            r["speedup"] = r["tok_s"] / tok_s
+            ours = r.pop("outputs")
+            if ours is not None and theirs is not None and all(isinstance(o, list) for o in ours):
+                r["as_plain"] = f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     fmt = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
-    lines = ["| workload | batch | config | tok/s (min-max) | accepted/round | tokens/round | tree rounds | vs plain |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | batch | config | tok/s (min-max) | accepted/round | tokens/round | tree rounds | vs plain "
+             "| texts as plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         workload, batch, name = r["key"].split("/")
         if "error" in r:
-            lines.append(f"| {workload} | {batch} | {name} | error: {r['error'][-80:]} | | | | |")
+            lines.append(f"| {workload} | {batch} | {name} | error: {r['error'][-80:]} | | | | | |")
             continue
         lines.append(f"| {workload} | {batch} | {name} | {r['tok_s']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | "
                      f"{fmt(r['accepted_per_round'])} | {fmt(r['tokens_per_round'])} | {fmt(r['tree_rounds'])} | "
-                     f"{r['speedup']:.2f}x |")
+                     f"{r['speedup']:.2f}x | {r.get('as_plain', '')} |")
     return "\n".join(lines)
 
 
@@ -178,11 +186,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has avx512_bf16) | float32 | bfloat16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     workdir = Path(args.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
-    dtype = resolve_dtype("auto", "cpu").dtype
+    dtype = resolve_dtype(args.dtype, "cpu").dtype
     files = prompt_files(args, workdir)
     runs = run_ours(args, files, workdir, dtype)
     if not args.skip_vllm and VLLM_PY.exists() and args.n_b1 and args.n_b4:

@@ -72,14 +72,16 @@ def main() -> None:
     ap.add_argument("--g", type=int, default=4, help="single paths: tokens per round")
     ap.add_argument("--tree-tokens", default="8,16,32")
     ap.add_argument("--tree-branches", type=int, default=4)
+    ap.add_argument("--suffix", default="{}", help='drafting.suffix fields as JSON, e.g. {"max_depth": 32}')
     args = ap.parse_args()
+    suffix = json.loads(args.suffix)
     prompts = json.load(open(args.prompts))
     texts = json.load(open(args.texts))["outputs"]
     prompts = prompts[:len(texts)]
     rows = []
     for kind in ("ngram", "suffix"):
         make = ((lambda t: NgramDrafter(tree=t)) if kind == "ngram"
-                else (lambda t: SuffixDrafter(SuffixParams(sample_method="greedy"), tree=t)))
+                else (lambda t: SuffixDrafter(SuffixParams(**{"sample_method": "greedy", **suffix}), tree=t)))
         rows.append((kind, f"path {args.g}", replay(make(TreeParams()), prompts, texts, args.g, False)))
         for size in map(int, args.tree_tokens.split(",")):
             shape = TreeParams(max_tokens=size, max_branches=args.tree_branches)
