@@ -130,8 +130,8 @@ class DraftBatch:
         return out
 
     def one_hot_rows(self) -> list[list[bool]]:
-        """Per sequence, per proposal: whether its q is one-hot (`is_one_hot` for every proposal at
-        once, one tensor op)."""
+        """Per sequence, per proposal: whether its q is one-hot (the token was not drawn from a spread
+        q), for every proposal at once in one tensor op."""
         q, total = self.draft_probs, len(self.draft_ids)
         if q is None:
             flags = [True] * total
@@ -141,16 +141,6 @@ class DraftBatch:
             flags = (q.amax(dim=-1) >= 1.0).tolist()
         cu = [0, *np.cumsum(self.num_draft).tolist()]
         return [flags[cu[b]:cu[b + 1]] for b in range(len(self.num_draft))]
-
-    def is_one_hot(self, b: int, i: int) -> bool:
-        """q of sequence b's proposal i is one-hot (the token was not drawn from a spread q)."""
-        q, row = self.draft_probs, int(self.cu_num_draft[b]) + i
-        if q is None:
-            return True
-        if isinstance(q, SparseProbs):
-            return int((q.row == row).sum()) == 1
-        return bool(q[row].max() >= 1.0)
-
 
 
 @runtime_checkable

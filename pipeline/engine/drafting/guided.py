@@ -71,7 +71,7 @@ def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], r
     found = sized(drafter.propose(seqs, own_len, generators, GuideView(walk)))
     if found.is_tree:
         return _grafted(found, walk)
-    keep, trailing = [], []
+    keep, trailing, one_hot = [], [], None
     for b in range(n):
         tokens = found.tokens(b)
         k = len(tokens)
@@ -80,8 +80,10 @@ def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], r
             while k < len(tokens) and walk.advance(b, tokens[k]):
                 k += 1
             whole = k == len(tokens)
-            if not whole and not found.is_one_hot(b, k):
-                k += 1                                       # drawn from a spread q: stays, to be rejected
+            if not whole:
+                one_hot = found.one_hot_rows() if one_hot is None else one_hot      # once, where a row needs it
+                if not one_hot[b][k]:
+                    k += 1                                   # drawn from a spread q: stays, to be rejected
             left = min(limit[b] - len(walk.ahead[b]), room[b] - len(walk.ahead[b]) - k)
             trailing.append(walk.take_forced(b, left) if whole else [])
         else:

@@ -133,10 +133,8 @@ def test_trees_grafted_under_forced_tokens():
                                                                           out.draft_probs.prob))
     assert rows == [(0, 7, 1.0), (1, 8, 1.0), (2, 5, 0.5), (2, 9, 0.5), (3, 4, 0.3), (3, 7, 0.7), (4, 8, 1.0),
                     (5, 1, 1.0), (6, 2, 1.0)]
-    assert not out.is_one_hot(0, 2) and out.is_one_hot(0, 0)
-    flags = [[False, True, False, True], [True, True]]
-    assert batch.one_hot_rows() == flags == [[batch.is_one_hot(b, i) for i in range(n)]
-                                            for b, n in enumerate(batch.num_draft)]
+    assert not out.one_hot_rows()[0][2] and out.one_hot_rows()[0][0]
+    assert batch.one_hot_rows() == [[False, True, False, True], [True, True]]
     dense = torch.zeros(6, 10)
     dense[torch.arange(6), torch.tensor([5, 6, 7, 8, 1, 2])] = 1.0
     dense[2, [7, 4]] = torch.tensor([0.7, 0.3])
