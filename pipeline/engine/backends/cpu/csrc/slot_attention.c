@@ -197,7 +197,8 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
        block (ATTEND above). block_end[r]: blocks of rows 0..r. */
     int64_t total = 0;
     for (int64_t r = 0; r < num_rows; r++) total += num_new[r];
-    int64_t qblock = (total * kv_heads + 4 * num_threads - 1) / (4 * (int64_t)(num_threads > 0 ? num_threads : 1));
+    int64_t tasks_wanted = 4 * (int64_t)(num_threads > 0 ? num_threads : 1);
+    int64_t qblock = (total * kv_heads + tasks_wanted - 1) / tasks_wanted;
     qblock = qblock < 1 ? 1 : qblock > QBLOCK ? QBLOCK : qblock;
     int64_t *block_end = malloc(sizeof(int64_t) * num_rows);
     if (block_end == NULL) return -1;
