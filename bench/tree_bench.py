@@ -16,7 +16,9 @@ Configurations (ours: bench/run_one.py, a fresh process per run, the repeats int
                         workload, max_num_seqs 4, k 4; suffix: SuffixDecoding from arctic-inference, a single path)
 Workloads: grounded (CoQA extraction + HumanEval, greedy), templated (the synthetic job's prompts,
 two samples each, temperature 0.7), chat (MT-bench first turns, greedy), templated_x8 (the same
-with eight samples of each prompt: `bench.make_templated --seeds-per-slot 6 --samples 8`). Batch 1 takes the first
+with eight samples of each prompt: `bench.make_templated --seeds-per-slot 6 --samples 8`), templated_256 (256
+rows, two samples each: `bench.make_templated --seeds-per-slot 64 --samples 2`; sampled texts vary so much
+that 24 prompts cannot tell configurations apart by acceptance). Batch 1 takes the first
 --n-b1 prompts one at a time, batch 4 the first --n-b4 with 4 running (and, ours only, batch 16 the
 first --n-b16 with 16 running, "all" the first --n-all all at once; a count of 0 skips the setting,
 and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
@@ -63,6 +65,7 @@ WORKLOADS = {   # name -> (prompt file for SmolLM2's tokenizer, rows taken, temp
     "templated": ("bench/out/prompts_templated.json", slice(None), 0.7),
     "chat": ("bench/out/prompts_smollm2_256.json", slice(0, None, 3), 0.0),    # the MT-bench rows
     "templated_x8": ("bench/out/prompts_templated_x8.json", slice(None), 0.7),  # eight samples per prompt
+    "templated_256": ("bench/out/prompts_templated_256.json", slice(None), 0.7),  # 128 prompts, two samples each
 }
 QWEN_FILES = {  # the same prompts in Qwen's tokenizer and chat template
     "grounded": "bench/out/prompts_qwen_grounded.json",

@@ -43,6 +43,7 @@ def accepted_depth(tokens: list[int], parents: list[int], truth: list[int]) -> i
 
 
 def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int, tree: bool) -> dict:
+    """Rounds over the texts, each a tree (`tree`) or a path of at most `depth` tokens."""
     rounds = accepted = drafted = 0
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         seq = Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0), 0)
@@ -53,8 +54,7 @@ def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int
                 t = drafter.lookup_tree(seq, depth)
                 tokens, parents = t.tokens, t.parents
             else:
-                tokens = drafter.lookup(seq, room)
-                tokens = tokens.tokens if hasattr(tokens, "tokens") else tokens
+                tokens = path_tokens(drafter, seq, room)
                 parents = list(range(-1, len(tokens) - 1))
             n = accepted_depth(tokens, parents, text[pos:]) if tokens else 0
             rounds, accepted, drafted = rounds + 1, accepted + n, drafted + len(tokens)
@@ -65,6 +65,12 @@ def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int
     return {"accepted_per_round": accepted / rounds, "draft_per_round": drafted / rounds, "rounds": rounds}
 
 
+def path_tokens(drafter, seq: Sequence, k: int) -> list[int]:
+    """A single path's tokens: the suffix drafter's walk carries its probabilities beside them."""
+    found = drafter.lookup(seq, k)
+    return found.tokens if isinstance(drafter, SuffixDrafter) else found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", required=True, help="token ids per prompt (JSON list of lists)")
@@ -73,6 +79,7 @@ def main() -> None:
     ap.add_argument("--tree-tokens", default="8,16,32")
     ap.add_argument("--tree-branches", type=int, default=4)
     ap.add_argument("--suffix", default="{}", help='drafting.suffix fields as JSON, e.g. {"max_depth": 32}')
+    ap.add_argument("--ngram-min", type=int, default=2, help="drafting.ngram_min: the shortest n-gram matched")
     args = ap.parse_args()
     suffix = json.loads(args.suffix)
     prompts = json.load(open(args.prompts))
@@ -80,7 +87,7 @@ def main() -> None:
     prompts = prompts[:len(texts)]
     rows = []
     for kind in ("ngram", "suffix"):
-        make = ((lambda t: NgramDrafter(tree=t)) if kind == "ngram"
+        make = ((lambda t: NgramDrafter(args.ngram_min, tree=t)) if kind == "ngram"
                 else (lambda t: SuffixDrafter(SuffixParams(**{"sample_method": "greedy", **suffix}), tree=t)))
         rows.append((kind, f"path {args.g}", replay(make(TreeParams()), prompts, texts, args.g, False)))
         for size in map(int, args.tree_tokens.split(",")):
