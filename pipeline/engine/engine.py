@@ -311,8 +311,10 @@ class SpecEngine:
         """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed)."""
         if found.scores is None or not self.drafting.adaptive:
             return found
-        return found.truncated(self.policy.tree_sizes(found.scores, [found.parents_of(b)
-                                                                     for b in range(len(found.num_draft))]))
+        keep = self.policy.tree_sizes(found.scores, [found.parents_of(b) for b in range(len(found.num_draft))])
+        if not any(keep) and any(found.num_draft):
+            self.policy.forget_trees()          # refused what was offered: the calibration may be too low
+        return found.truncated(keep)
 
     @property
     def _trees(self) -> bool:
@@ -336,6 +338,7 @@ class SpecEngine:
             size = drafting.tree.max_tokens
             if drafting.adaptive and not self.policy.tree_may_pay(len(batch), size):
                 size = 0                # the policy would keep none of any tree: no lookup
+                self.policy.forget_trees()
             return [min(size, self._room(s)) for s in batch]
         if drafting.adaptive:
             wanted = self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])

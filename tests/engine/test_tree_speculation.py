@@ -118,3 +118,49 @@ def test_no_lookup_where_no_tree_could_pay(target_model, prompts, references):
     done, rounds = run_requests(engine, prompts[8:16], SamplingParams(max_tokens=MAX_NEW, temperature=0),
                                 ids=[str(i) for i in range(8, 16)])
     assert any(asked) and max(r.draft_len for r in rounds) > 0
+
+
+def test_refused_trees_are_retried(target_model, prompts, references):
+    """Trees the calibration says accept nothing, on a curve where each token costs 0.1 of a step: the
+    first steps ask the drafter for none; each refused step fades that evidence, so trees are asked for
+    again at the same batch size before the run ends (never, if refusals forgot nothing), and the output
+    is still greedy's."""
+    engine = make_engine(target_model, "ngram", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
+    engine.costs.verify_curve = [(1, 1.0), (64, 7.3)]           # V(T) = 1 + 0.1 (T - 1)
+    for _ in range(2):           # c_1 = 1 / (1.98 + 2) ~ 0.25: at batch 4 a token pays above 0.4 / 1.3 ~ 0.31
+        engine.policy.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
+    assert not engine.policy.tree_may_pay(4, TREE.max_tokens)
+    asked = []
+    lookup = engine.drafter.lookup_tree
+    engine.drafter.lookup_tree = lambda seq, size, *rest: (
+        size and asked.append((engine.num_steps, len(engine.scheduler.running))) or lookup(seq, size, *rest))
+    done, rounds = run_requests(engine, prompts[:8], SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    assert [done[str(i)].output_ids for i in range(8)] == references[:8]
+    at_four = [step for step, running in asked if running == 4]
+    assert at_four, "trees were never asked for again at batch 4"
+    assert min(at_four) >= 20, f"trees asked for at step {min(at_four)}: the calibration was not refusing them"
+
+
+def test_refused_offers_fade_the_calibration(target_model, prompts, references):
+    """Where the policy keeps no token of the trees a step's lookup offered, the engine drafts nothing
+    that step and the calibration's evidence fades (forget_trees), as where no lookup is made; a step
+    that keeps a token forgets nothing."""
+    engine = make_engine(target_model, "ngram", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
+    engine.costs.verify_curve = [(1, 1.0), (64, 1.0)]           # weight-bound: every lookup is made
+    sizes = engine.policy.tree_sizes
+    refuse = {"on": True}
+    engine.policy.tree_sizes = lambda scores, parents: (
+        [0] * len(scores) if refuse["on"] else sizes(scores, parents))
+    forgot = []
+    forget = engine.policy.forget_trees
+    engine.policy.forget_trees = lambda *a: forgot.append(engine.num_steps) or forget(*a)
+    done, rounds = run_requests(engine, prompts[:4], SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    assert [done[str(i)].output_ids for i in range(4)] == references[:4]
+    assert all(r.draft_len == 0 for r in rounds)
+    assert forgot, "refused offers did not fade the calibration"
+    refuse["on"], forgot[:] = False, []
+    done, rounds = run_requests(engine, prompts[4:8], SamplingParams(max_tokens=MAX_NEW, temperature=0),
+                                ids=[str(i) for i in range(4, 8)])
+    assert [done[str(i)].output_ids for i in range(4, 8)] == references[4:8]
+    kept = {r.step for r in rounds if r.draft_len}
+    assert kept and not kept & set(forgot)

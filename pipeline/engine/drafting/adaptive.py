@@ -32,7 +32,11 @@ accept what the index estimated raise c_1 towards 1, past the prior. An index's 
 confident where it saw a continuation once (a one-occurrence chain estimates 1 at every depth), and
 the truth falls off with depth; c_d learns how fast. The policy may keep a tree, a path or nothing.
 Where no tree could pay at the step's batch size, even one whose every token were worth c_1, the
-drafter is not asked at all (tree_may_pay): a large batch pays no lookups it would discard.
+drafter is not asked at all (tree_may_pay): a large batch pays no lookups it would discard. A step
+whose trees the policy refuses (no lookup, or no token kept of what the drafter offered) decays the
+calibration's evidence towards the prior (forget_trees), as a sequence's acceptance decays in its
+rounds at g = 0: a calibration that fell below what pays is otherwise never observed again, and one
+poor stretch of rounds, or a noisy verify curve, would keep trees off for the rest of the run.
 """
 from __future__ import annotations
 
@@ -160,6 +164,7 @@ def expected_tokens(alpha: float, g: int) -> float:
 TREE_PRIOR = 0.5            # trees: accepted share of the index's estimate before any tree round
 GAIN = 1.0001               # a rate beats another only by more than this factor (not by rounding)
 TREE_PRIOR_WEIGHT = 2.0     # the prior's weight, in estimated tokens
+TREE_FORGET = 0.98          # per refused step: the calibration's evidence kept (forget_trees)
 
 
 class AdaptiveDraftLength:
@@ -244,6 +249,15 @@ class AdaptiveDraftLength:
         for d, stats in enumerate(self._tree_depths, start=1):
             stats[0] = stats[0] * decay + (accepted >= d)
             stats[1] = stats[1] * decay + (per_depth[d - 1] if d <= len(per_depth) else 0.0)
+
+    def forget_trees(self, decay: float = TREE_FORGET) -> None:
+        """A step whose trees the policy refused: the evidence behind each c_d decays, so c_d drifts
+        back towards its prior. Once it pays again at this batch size the trees are retried, and rounds
+        that still accept too little refuse them again within a few steps (the evidence is light then);
+        where even the prior cannot pay (tree_may_pay's bound at c_1 = the prior) nothing is retried."""
+        for stats in self._tree_depths:
+            stats[0] *= decay
+            stats[1] *= decay
 
     def tree_may_pay(self, batch_size: int, max_tokens: int) -> bool:
         """Whether any trees of at most `max_tokens` tokens per row could raise a step's rate at this

@@ -233,6 +233,32 @@ def test_tree_calibration_learns_past_its_prior():
     assert policy.tree_sizes([[1.0] * 4], [chain]) == [4]
 
 
+def test_refused_trees_are_retried_once_the_evidence_fades():
+    """Rounds that accepted nothing teach c_1 ~ 0.15, below the ~0.31 a token must be worth at batch 4
+    when each costs 0.1 of a step. Each refused step decays that evidence towards the prior (0.5), so
+    the trees pay again after ln(4.80 / 1.25) / -ln(0.98) ~ 67 refusals; on a curve where even the
+    prior cannot pay they stay refused, however long."""
+    policy = sizing([(1, 1.0), (64, 7.3)])                      # V(T) = 1 + 0.1 (T - 1)
+    policy.tree_prior = TREE_PRIOR
+    assert policy.tree_may_pay(4, 16)
+    for _ in range(5):
+        policy.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
+    assert not policy.tree_may_pay(4, 16)
+    refused = 0
+    while not policy.tree_may_pay(4, 16) and refused < 1000:
+        policy.forget_trees()
+        refused += 1
+    assert 60 <= refused <= 75, refused
+    never = sizing([(1, 1.0), (2, 4.0), (64, 200.0)])           # a token costs 3 steps
+    never.tree_prior = TREE_PRIOR
+    for _ in range(5):
+        never.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
+    for _ in range(1000):
+        never.forget_trees()
+    assert never.tree_calibration[0] == pytest.approx(TREE_PRIOR, abs=1e-3)
+    assert not never.tree_may_pay(4, 16) and not never.tree_may_pay(1, 16)
+
+
 def test_no_tree_pays_only_where_sizing_keeps_nothing():
     """tree_may_pay is a bound: where it says no tree could pay, tree_sizes keeps nothing of any trees
     (path probabilities at most 1, any calibration); it says no at a large batch on a steep curve and
