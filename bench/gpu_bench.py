@@ -17,12 +17,15 @@ bandwidth / weight bytes, and tokens/s at that times the sequences per step time
 tokens per sequence-round. A second cap adds the KV bytes a step attends to (mean context of the
 run). Measured figures include prefill and the host's Python work; the floors count neither.
 
-Each configuration warms up on two prompts outside the clock (the first compile happens there), then
+Each configuration warms up outside the clock on as many prompts as it runs at once (two at batch 1),
+8 tokens each: the compiles of every step size the timed run meets first (prefill, the widest steps,
+which with CUDA graphs on are those too large for a graph and run eagerly) happen there. Then it
 runs for at most --config-s seconds; a configuration cut short reports what it produced. A
 configuration not started within --budget-s is listed as skipped. Results print as they come and are
 written after every configuration to --out, or $OUT/gpu_bench.json when $OUT is set.
 
-Imports only torch, transformers and pipeline.engine / pipeline.loading: no omegaconf, Ray or pyarrow.
+Imports only torch, transformers and pipeline.engine / pipeline.loading (which import llguidance, the
+grammar layer's library): no omegaconf, Ray or pyarrow.
 """
 from __future__ import annotations
 
@@ -166,7 +169,9 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
-    drive(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), "warm", float("inf"))
+    # the warm-up's prompts are the timed ones reversed: the same lengths, no prefix to reuse
+    warm = [p[::-1] for p in prompts[:max(2, batch)]]
+    drive(engine, warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), "warm", float("inf"))
     warm_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     capture_before = graph_stats(engine.target.graphs)["graph_capture_s"]
@@ -174,8 +179,8 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     c = drive(engine, prompts, params, "p", t0 + seconds)
     wall = time.perf_counter() - t0
     stats = graph_stats(engine.target.graphs)
-    # graphs of buckets first met in the timed run are captured inside it (the warm-up's two prompts
-    # meet few): tokens/s is given with and without those seconds
+    # graphs of buckets first met in the timed run are captured inside it (the warm-up's steps meet
+    # few: its rows all end together): tokens/s is given with and without those seconds
     timed_capture_s = stats["graph_capture_s"] - capture_before
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
            "cuda_graphs": graphs, **stats, "timed_capture_s": timed_capture_s,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, one command, on a machine with one CUDA device and torch + transformers
-# installed (no Ray, vLLM or network needed):
+# The GPU check, one command, on a machine with one CUDA device and torch, transformers and llguidance
+# installed (no Ray, vLLM or network needed; without a network, bring llguidance as its wheel):
 #
 #     bash bench/gpu_check.sh [MODEL_DIR ...]
 #
@@ -35,7 +35,7 @@ print(f"python {sys.version.split()[0]}  torch {torch.__version__} (CUDA {torch.
       f"transformers {transformers.__version__}")
 print("cuda available:", torch.cuda.is_available(),
       "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no device")
-for name in ("triton", "numpy", "safetensors", "tokenizers", "pytest"):
+for name in ("llguidance", "triton", "numpy", "safetensors", "tokenizers", "pytest"):
     try:
         print(f"  {name} {getattr(importlib.import_module(name), '__version__', '?')}")
     except ImportError:
