@@ -17,6 +17,14 @@ default for sampled rows, a draw from the counts with q, is not replayed.) Seque
         --texts bench/out/plain_grounded.json
 
 Reported per setting: accepted draft tokens per round, draft tokens per round, rounds.
+
+With `--step-ms A,B` (a step's cost at batch 1: A ms, plus B ms per token it verifies; fit them to a
+run's steps, e.g. run_one's `steps` and `wall_s`) each setting also gets its predicted speed against
+the single path's, and each tree size an *oracle* row: every round drafts exactly the path of that
+tree which the text accepts (nothing where it accepts nothing), so it pays for accepted tokens only.
+No policy that drafts from trees of that size (any subtree, any size per round) emits more tokens per
+round or verifies fewer; at that cost curve the oracle's speed bounds theirs. Counting every
+non-verifying second into A favours fewer, larger rounds, so the bound is generous to trees.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ def accepted_depth(tokens: list[int], parents: list[int], truth: list[int]) -> i
 def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int, tree: bool) -> dict:
     """Rounds over the texts, each a tree (`tree`) or a path of at most `depth` tokens."""
     rounds = accepted = drafted = 0
+    per_round = []                                       # (draft tokens, accepted) of each round
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         seq = Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0), 0)
         pos = 0
@@ -58,11 +67,21 @@ def replay(drafter, prompts: list[list[int]], texts: list[list[int]], depth: int
                 parents = list(range(-1, len(tokens) - 1))
             n = accepted_depth(tokens, parents, text[pos:]) if tokens else 0
             rounds, accepted, drafted = rounds + 1, accepted + n, drafted + len(tokens)
+            per_round.append((len(tokens), n))
             seq.output_ids.extend(text[pos:pos + n + 1])
             pos += n + 1
             drafter.on_commit([seq])
         drafter.release(seq)
-    return {"accepted_per_round": accepted / rounds, "draft_per_round": drafted / rounds, "rounds": rounds}
+    return {"accepted_per_round": accepted / rounds, "draft_per_round": drafted / rounds, "rounds": rounds,
+            "per_round": per_round}
+
+
+def tokens_per_ms(per_round: list[tuple[int, int]], step_ms: tuple[float, float], oracle: bool = False) -> float:
+    """Emitted tokens per ms at a step cost of A + B x verified tokens (the root and the drafts; an
+    oracle verifies the root and the accepted drafts only)."""
+    a, b = step_ms
+    ms = sum(a + b * (1 + (n if oracle else k)) for k, n in per_round)
+    return sum(1 + n for _, n in per_round) / ms
 
 
 def path_tokens(drafter, seq: Sequence, k: int) -> list[int]:
@@ -80,7 +99,10 @@ def main() -> None:
     ap.add_argument("--tree-branches", type=int, default=4)
     ap.add_argument("--suffix", default="{}", help='drafting.suffix fields as JSON, e.g. {"max_depth": 32}')
     ap.add_argument("--ngram-min", type=int, default=2, help="drafting.ngram_min: the shortest n-gram matched")
+    ap.add_argument("--step-ms", default=None,
+                    help="A,B: a step costs A ms plus B ms per verified token; adds predicted speed and oracle rows")
     args = ap.parse_args()
+    step_ms = tuple(map(float, args.step_ms.split(","))) if args.step_ms else None
     suffix = json.loads(args.suffix)
     prompts = json.load(open(args.prompts))
     texts = json.load(open(args.texts))["outputs"]
@@ -89,13 +111,23 @@ def main() -> None:
     for kind in ("ngram", "suffix"):
         make = ((lambda t: NgramDrafter(args.ngram_min, tree=t)) if kind == "ngram"
                 else (lambda t: SuffixDrafter(SuffixParams(**{"sample_method": "greedy", **suffix}), tree=t)))
-        rows.append((kind, f"path {args.g}", replay(make(TreeParams()), prompts, texts, args.g, False)))
+        path = replay(make(TreeParams()), prompts, texts, args.g, False)
+        rows.append((kind, f"path {args.g}", path, False, path))
         for size in map(int, args.tree_tokens.split(",")):
             shape = TreeParams(max_tokens=size, max_branches=args.tree_branches)
-            rows.append((kind, f"tree {size}x{args.tree_branches}", replay(make(shape), prompts, texts, size, True)))
-    print("| drafter | draft | accepted/round | draft/round | rounds |\n|---|---|---|---|---|")
-    for kind, name, r in rows:
-        print(f"| {kind} | {name} | {r['accepted_per_round']:.2f} | {r['draft_per_round']:.2f} | {r['rounds']} |")
+            tree = replay(make(shape), prompts, texts, size, True)
+            rows.append((kind, f"tree {size}x{args.tree_branches}", tree, False, path))
+            if step_ms:
+                rows.append((kind, f"oracle of tree {size}x{args.tree_branches}", tree, True, path))
+    cols = " speed vs path |" if step_ms else ""
+    print(f"| drafter | draft | accepted/round | draft/round | rounds |{cols}\n|---|---|---|---|---|{'---|' if step_ms else ''}")
+    for kind, name, r, oracle, path in rows:
+        line = (f"| {kind} | {name} | {r['accepted_per_round']:.2f} | "
+                f"{r['accepted_per_round'] if oracle else r['draft_per_round']:.2f} | {r['rounds']} |")
+        if step_ms:
+            speed = tokens_per_ms(r["per_round"], step_ms, oracle) / tokens_per_ms(path["per_round"], step_ms)
+            line += f" {speed:.2f}x |"
+        print(line)
 
 
 if __name__ == "__main__":
