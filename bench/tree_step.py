@@ -11,6 +11,12 @@ per node, 8 deep):
   1x17 tree / 1x17 chain / 1x5 chain   batch 1
 Median ms per forward (min-max) over --repeats after 3 warm-ups, the shapes interleaved so the box's
 drift hits all alike; one process, 2 threads, the model's kernels as a job would choose them.
+
+    .venv/bin/python -m bench.tree_step --curve --repeats 20
+
+--curve: batch 1 only, one row of 1..17 tokens (a chain) at context 330, and the least-squares line
+through those medians (A + B x tokens: what `bench.tree_replay --step-ms` takes, with A raised by
+the step's cost outside the forward).
 """
 from __future__ import annotations
 
@@ -40,10 +46,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--curve", action="store_true", help="batch 1, one chain of 1..17 tokens, and a line through it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(ModelSpec(args.model, args.dtype, "cpu"))
     runner = build_runner(model, 4, 1024)
+    if args.curve:
+        curve(runner, args.repeats)
+        return
     times = {name: [] for name in SHAPES}
     for i in range(args.repeats + 3):
         for name, (tokens, parents) in SHAPES.items():
@@ -56,6 +66,27 @@ def main() -> None:
     print("| shape | ms per forward (min-max) |\n|---|---|")
     for name, ts in times.items():
         print(f"| {name} | {statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}) |")
+
+
+def curve(runner, repeats: int) -> None:
+    """ms per batch-1 forward of n = 1..17 tokens, interleaved, and the line through the medians."""
+    sizes = range(1, 18)
+    times = {n: [] for n in sizes}
+    for i in range(repeats + 3):
+        for n in sizes:
+            t0 = time.perf_counter()
+            runner.forward([0], [330], [list(range(10, 10 + n))])
+            if i >= 3:
+                times[n].append(time.perf_counter() - t0)
+    medians = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
+    mean_n, mean_t = statistics.mean(sizes), statistics.mean(medians.values())
+    slope = (sum((n - mean_n) * (t - mean_t) for n, t in medians.items())
+             / sum((n - mean_n) ** 2 for n in sizes))
+    print(f"{runner.plan}")
+    print("| tokens | ms per forward (min-max) |\n|---|---|")
+    for n, ts in times.items():
+        print(f"| {n} | {medians[n]:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}) |")
+    print(f"line: {mean_t - slope * mean_n:.2f} + {slope:.3f} x tokens ms")
 
 
 if __name__ == "__main__":
