@@ -74,7 +74,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     forwarded = (engine.target.num_forward_tokens, draft_runner.num_forward_tokens if draft_runner else 0)
     grammar_before = engine.grammar_s
     t0 = time.perf_counter()
-    done, rounds = _drain(engine, prompts, params, "p")
+    done, rounds = _drain(engine, prompts, params, "p", seed=args.seed)
     wall = time.perf_counter() - t0
     outputs = [done[f"p{i}"].output_ids for i in range(len(prompts))]
     completions = [done[f"p{i}"] for i in range(len(prompts))]
@@ -111,10 +111,10 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             "tree_rounds": sum(r.paths > 1 for r in rounds) / len(rounds)}
 
 
-def _drain(engine, prompts, params, prefix):
+def _drain(engine, prompts, params, prefix, seed: int = 0):
     """params: one SamplingParams for all, or one per prompt."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params[i] if isinstance(params, list) else params)
+        engine.add_request(f"{prefix}{i}", p, params[i] if isinstance(params, list) else params, seed=seed)
     done, rounds = {}, []
     while engine.has_unfinished():
         out = engine.step()
@@ -159,7 +159,8 @@ def main() -> None:
                     "float32 | bfloat16 | float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled runs: each request samples from its own generator (seeded by its id and --seed)")
+    ap.add_argument("--seed", type=int, default=0, help="every request's seed: sampled runs with another seed draw other texts")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_linear (a switch under engine.kernels)")
     ap.add_argument("--cpu-fused", default="auto", choices=["auto", "on", "off"], help="Kernels.cpu_fused (a switch under engine.kernels)")

@@ -102,6 +102,7 @@ def run_ours(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
         for (workload, batch), pfile in files.items():
             temperature = WORKLOADS[workload][2]
             common = ["--mode", "engine", "--batch", str(running[batch]), "--max-tokens", str(args.max_tokens),
+                      "--seed", str(args.seed),
                       "--dtype", dtype, "--temperature", str(temperature)]
             for name in configs:
                 key = f"{workload}/{batch}/{name}"
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--n-all", type=int, default=0, help="prompts all at once (0: not measured; ours only)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="every request's seed (ours): sampled rows draw the same texts "
+                    "for the same seed and configuration, other texts for another seed; repeats keep the seed")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has avx512_bf16) | float32 | bfloat16")
     ap.add_argument("--out", required=True)
