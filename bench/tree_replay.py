@@ -22,9 +22,11 @@ With `--step-ms A,B` (a step's cost at batch 1: A ms, plus B ms per token it ver
 run's steps, e.g. run_one's `steps` and `wall_s`) each setting also gets its predicted speed against
 the single path's, and each tree size an *oracle* row: every round drafts exactly the path of that
 tree which the text accepts (nothing where it accepts nothing), so it pays for accepted tokens only.
-No policy that drafts from trees of that size (any subtree, any size per round) emits more tokens per
-round or verifies fewer; at that cost curve the oracle's speed bounds theirs. Counting every
-non-verifying second into A favours fewer, larger rounds, so the bound is generous to trees.
+From the same position no policy that drafts from trees of that size (any subtree, any size per round)
+emits more tokens or verifies fewer; at that cost curve the oracle's speed bounds theirs, up to the
+rounds such a policy would start elsewhere (a round that accepts less ends at another position, where
+the index may hold another tree). Counting every non-verifying second into A favours fewer, larger
+rounds, so the bound is generous to trees.
 """
 from __future__ import annotations
 
