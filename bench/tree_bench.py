@@ -25,7 +25,8 @@ and vLLM runs where batch 1 and 4 both do). The dtype `auto` resolves to
 (bf16 on an AVX-512 box with bf16), 2 threads, 128 new tokens.
 Reported per workload and batch: tok/s median (min-max), accepted draft tokens per round (a tree:
 the accepted path's depth), tokens per round, the share of rounds that drafted a tree, speedup
-over our plain run, and how many of a configuration's outputs (its first run) equal the plain run's: in
+over our plain run, and, on greedy workloads, how many of a configuration's outputs (its first run) equal
+the plain run's (sampled texts differ wherever the draws do, so sampled rows leave it empty): in
 fp32 all of a greedy workload's, in bf16 a few (verifying several tokens changes the matmuls' rounding and
 near-ties flip), so bf16 configurations accept on different texts. `--dtype float32` compares them on
 one text. `--model qwen` runs the Qwen2.5-Coder-1.5B target (no draft model needed here) on
@@ -155,10 +156,12 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
             if r["key"].endswith("/plain") and "tok_s" in r}
     for r in rows:
         if "tok_s" in r:
-            tok_s, theirs = base.get(r["key"].rsplit("/", 1)[0], (float("nan"), None))
-            r["speedup"] = r["tok_s"] / tok_s
+            tok_s, theirs = base.get(r["key"].rsplit("/", 1)[0], (None, None))
+            r["speedup"] = r["tok_s"] / tok_s if tok_s else None
             ours = r.pop("outputs")
-            if ours is not None and theirs is not None and all(isinstance(o, list) for o in ours):
+            # greedy rows only: sampled texts differ wherever the draws do, whatever the drafts
+            greedy = WORKLOADS.get(r["key"].split("/")[0], (None, None, 0.0))[2] == 0
+            if greedy and ours is not None and theirs is not None and all(isinstance(o, list) for o in ours):
                 r["as_plain"] = f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"
     return rows
 
@@ -172,9 +175,10 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {workload} | {batch} | {name} | error: {r['error'][-80:]} | | | | | |")
             continue
+        vs_plain = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {workload} | {batch} | {name} | {r['tok_s']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | "
                      f"{fmt(r['accepted_per_round'])} | {fmt(r['tokens_per_round'])} | {fmt(r['tree_rounds'])} | "
-                     f"{r['speedup']:.2f}x | {r.get('as_plain', '')} |")
+                     f"{vs_plain} | {r.get('as_plain', '')} |")
     return "\n".join(lines)
 
 
