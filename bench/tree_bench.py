@@ -160,7 +160,7 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
             r["speedup"] = r["tok_s"] / tok_s if tok_s else None
             ours = r.pop("outputs")
             # greedy rows only: sampled texts differ wherever the draws do, whatever the drafts
-            greedy = WORKLOADS.get(r["key"].split("/")[0], (None, None, 0.0))[2] == 0
+            greedy = WORKLOADS[r["key"].split("/")[0]][2] == 0
             if greedy and ours is not None and theirs is not None and all(isinstance(o, list) for o in ours):
                 r["as_plain"] = f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"
     return rows

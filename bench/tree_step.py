@@ -79,14 +79,12 @@ def curve(runner, repeats: int) -> None:
             if i >= 3:
                 times[n].append(time.perf_counter() - t0)
     medians = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
-    mean_n, mean_t = statistics.mean(sizes), statistics.mean(medians.values())
-    slope = (sum((n - mean_n) * (t - mean_t) for n, t in medians.items())
-             / sum((n - mean_n) ** 2 for n in sizes))
+    line = statistics.linear_regression(list(medians), list(medians.values()))
     print(f"{runner.plan}")
     print("| tokens | ms per forward (min-max) |\n|---|---|")
     for n, ts in times.items():
         print(f"| {n} | {medians[n]:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}) |")
-    print(f"line: {mean_t - slope * mean_n:.2f} + {slope:.3f} x tokens ms")
+    print(f"line: {line.intercept:.2f} + {line.slope:.3f} x tokens ms")
 
 
 if __name__ == "__main__":
