@@ -126,6 +126,11 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
 
 
+def drafting_method(kind: str) -> str:
+    """drafting.method of a make_drafter kind (its suffix- and draft- variants are suffix and draft)."""
+    return next(m for m in ("none", "ngram", "suffix", "draft", "hybrid") if kind.startswith(m))
+
+
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
@@ -149,8 +154,8 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
                                    cuda_graphs=cuda_graphs),
                       drafter, cfg, list(eos), decode,
-                      drafting=DraftingConfig(num_speculative_tokens=g, adaptive=adaptive, forced_tokens=forced_tokens,
-                                              tree=tree),
+                      drafting=DraftingConfig(method=drafting_method(kind), num_speculative_tokens=g, adaptive=adaptive,
+                                              forced_tokens=forced_tokens, tree=tree),
                       grammars=grammars)
 
 

@@ -134,6 +134,19 @@ class DraftingConfig:
                 and 1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"drafting.ngram_min/ngram_max: expected 1 <= min <= max, "
                               f"got {self.ngram_min}, {self.ngram_max}")
+        self._check_trees()
+
+    def _check_trees(self) -> None:
+        """Token trees where a drafter grows them, never a setting that would be silently ignored."""
+        tree = self.tree
+        if tree.max_tokens and self.method not in HYBRID_PROPOSERS:
+            raise ConfigError(f"drafting.tree.max_tokens: token trees are drafted by drafting.method ngram or "
+                              f"suffix, got drafting.method={self.method!r} with drafting.tree.max_tokens="
+                              f"{tree.max_tokens}; set drafting.tree.max_tokens=0 for single paths")
+        if tree.sampled and not (self.method == "suffix" and tree.max_tokens):
+            raise ConfigError(f"drafting.tree.sampled: draws suffix trees' children from the index's counts, so it "
+                              f"needs drafting.method=suffix and drafting.tree.max_tokens > 0, got drafting.method="
+                              f"{self.method!r} with drafting.tree.max_tokens={tree.max_tokens}")
 
     @property
     def uses_draft_model(self) -> bool:

@@ -308,10 +308,12 @@ class SpecEngine:
         return guided, walk, time.perf_counter() - t0, catch_up_s
 
     def _sized(self, found: DraftBatch) -> DraftBatch:
-        """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed)."""
-        if found.scores is None or not self.drafting.adaptive:
+        """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed), chosen from
+        each tree's plan: a sampled tree is sized by its one-hot twin's estimates, never by those of the
+        tokens it drew (drafting/trees.py: the exactness rule)."""
+        if found.plans is None or not self.drafting.adaptive:
             return found
-        keep = self.policy.tree_sizes(found.scores, [found.parents_of(b) for b in range(len(found.num_draft))])
+        keep = self.policy.tree_sizes([t.probs for t in found.plans], [t.parents for t in found.plans])
         if not any(keep) and any(found.num_draft):
             self.policy.forget_trees()          # refused what was offered: the calibration may be too low
         return found.truncated(keep)
@@ -424,8 +426,8 @@ class SpecEngine:
             else:
                 rejected = k < g
                 self.policy.update(seq, own, max(0, min(k - ahead, own)))
-            if drafts.scores is not None:
-                self.policy.observe_tree(drafts.scores[b], drafts.parents_of(b), k)
+            if drafts.plans is not None:
+                self.policy.observe_tree(drafts.plans[b].probs, drafts.plans[b].parents, k)
             seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
             paths = num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0)
             rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,

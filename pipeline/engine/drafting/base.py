@@ -23,6 +23,7 @@ from ..core.verify import SparseProbs
 from ..grammar.walk import GuideView
 from ..model.prefill import Chunk
 from ..model.runner import ModelRunner
+from .trees import DraftTree
 
 
 @dataclass
@@ -34,24 +35,25 @@ class DraftBatch:
     proposals: list[list[int]]           # the same ids on the host, per sequence (no readback needed)
     parents: list[list[int]] | None = None   # token trees (core/tree.py): per sequence its tokens' parents,
                                              # listed best-first (drafting/trees.py); None: single paths
-    scores: list[list[float]] | None = None  # tree drafters: each token's estimated path probability (kept
-                                             # where every tree came out a single path)
+    plans: list[DraftTree] | None = None     # tree drafters: per sequence the draw-free tree whose estimates
+                                             # size its tree (DraftTree.plan: its own, or a sampled tree's
+                                             # one-hot twin); kept where every tree came out a single path
 
     @classmethod
     def from_lists(cls, proposals: list[list[int]], device, probs=None, parents: list[list[int]] | None = None,
-                   scores: list[list[float]] | None = None) -> "DraftBatch":
+                   plans: list[DraftTree] | None = None) -> "DraftBatch":
         num = [len(p) for p in proposals]
         flat = [t for p in proposals for t in p]
         cu = torch.tensor([0] + list(np.cumsum(num)), dtype=torch.long, device=device)
         if parents is not None and all(is_chain(p) for p in parents):
             parents = None
         return cls(num, torch.tensor(flat, dtype=torch.long, device=device), cu, probs,
-                   [list(p) for p in proposals], parents, scores)
+                   [list(p) for p in proposals], parents, plans)
 
     def to(self, device) -> "DraftBatch":
         move = lambda t: None if t is None else t.to(device)
         return DraftBatch(self.num_draft, move(self.draft_ids), move(self.cu_num_draft), move(self.draft_probs),
-                          self.proposals, self.parents, self.scores)
+                          self.proposals, self.parents, self.plans)
 
     @property
     def is_tree(self) -> bool:
@@ -63,10 +65,13 @@ class DraftBatch:
 
     def truncated(self, keep: list[int]) -> "DraftBatch":
         """Each tree's first keep[b] tokens: the best subtree of that size, as drafting/trees.py lists
-        them (sampled trees: siblings still in the order they were drawn, each with its q row)."""
+        them (sampled trees: siblings still in the order they were drawn, each with its q row: the tree
+        grown to keep[b] tokens), and likewise its plan's."""
+        plans = None if self.plans is None else [DraftTree(t.tokens[:k], t.parents[:k], t.probs[:k])
+                                                 for t, k in zip(self.plans, keep)]
         out = DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
                                     None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
-                                    None if self.scores is None else [s[:k] for s, k in zip(self.scores, keep)])
+                                    plans)
         first = [list(range(k)) for k in keep]
         return self._moved_q(out, first, first)
 

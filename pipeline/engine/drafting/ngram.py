@@ -87,7 +87,7 @@ class NgramDrafter(FreeDrafter):
         if self.tree.max_tokens:
             trees = [self.lookup_tree(s, g, guide.ahead(b) if guide else ()) for b, (s, g) in enumerate(zip(seqs, lengths))]
             return DraftBatch.from_lists([t.tokens for t in trees], self.device, None,
-                                         [t.parents for t in trees], [t.probs for t in trees])
+                                         [t.parents for t in trees], trees)
         return DraftBatch.from_lists([self.lookup(s, g, guide.ahead(b) if guide else ())
                                       for b, (s, g) in enumerate(zip(seqs, lengths))], self.device)
 

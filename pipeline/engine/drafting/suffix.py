@@ -503,7 +503,7 @@ class SuffixDrafter(FreeDrafter):
             trees = [self.lookup_tree(s, g, gen, guide.ahead(b) if guide else ())
                      for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
             return DraftBatch.from_lists([t.tokens for t in trees], self.device, _sparse_q(trees, self.device),
-                                         [t.parents for t in trees], [t.probs for t in trees])
+                                         [t.parents for t in trees], [t.plan for t in trees])
         walks = [self.lookup(s, g, gen, guide.ahead(b) if guide else ())
                  for b, (s, g, gen) in enumerate(zip(seqs, lengths, generators))]
         return DraftBatch.from_lists([w.tokens for w in walks], self.device, _sparse_q(walks, self.device))

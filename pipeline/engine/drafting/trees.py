@@ -27,6 +27,19 @@ deepest subtree, is then accepted with probability sum_y min(p(y), q(y)) = 1 - T
 p(most frequent y): it pays only where the counts estimate the target's distribution that closely
 (drafting/suffix.py).
 
+The exactness rule: whether a draft position exists, and the q it is drawn from, may depend on the
+committed prefix and on draws the verifier judges before it (its ancestors, the siblings drawn
+before it and what grew under them), or on draws independent of its own given its ancestors (what
+grew under its ancestors' later siblings); never on its own draw, the siblings drawn after it
+(drawn without replacement, they tell which token it is) or its descendants. Otherwise a position
+exists more often for some tokens than for others, and the accepted tokens are no longer
+distributed as the target's. Best-first growth keeps the rule: a token is added before its later
+siblings' and its own subtrees are offered. Choosing how many tokens to keep from the estimates of
+the drawn tokens would break it (a subtree's estimates are those of the token drawn at its root), so
+a sampled tree comes with its `twin`, the one-hot tree of the same lookup (a function of the index
+and the prefix alone), and a tree is sized by its twin's estimates (the engine's adaptive sizing);
+its first n tokens are then the sampled tree grown to n tokens.
+
 It knows nothing about tries, n-grams, models or verification: an index is reached through a
 callable that lists a state's continuations.
 """
@@ -47,6 +60,12 @@ class DraftTree:
     probs: list[float]     # estimated path probability per token, non-increasing
     q: list[tuple[list[int], list[float]]] | None = None   # sampled trees: per token, the (support, probs)
                                                            # it was drawn from; None: every token one-hot
+    twin: "DraftTree | None" = None   # sampled trees: the one-hot tree of the same lookup (module docstring)
+
+    @property
+    def plan(self) -> "DraftTree":
+        """The draw-free tree whose estimates size this one: itself when one-hot, else its twin."""
+        return self if self.twin is None else self.twin
 
     @property
     def score(self) -> float:
@@ -56,8 +75,11 @@ class DraftTree:
 
 def grow_tree(root, continuations: Continuations, max_depth: int, max_tokens: int, max_branches: int,
               min_prob: float, uniforms: Iterator[float] | None = None) -> DraftTree:
-    """The tree (module docstring): one-hot, or sampled with one uniform per draw from `uniforms`."""
+    """The tree (module docstring): one-hot, or sampled with one uniform per draw from `uniforms`
+    (then with its one-hot twin)."""
     tree = DraftTree([], [], [], [] if uniforms is not None else None)
+    if uniforms is not None:
+        tree.twin = grow_tree(root, continuations, max_depth, max_tokens, max_branches, min_prob)
     heap: list[tuple] = []       # (-prob, order, parent, token, state, depth, q)
     order = 0
 

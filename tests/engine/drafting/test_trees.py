@@ -11,7 +11,7 @@ from pipeline.engine.core.verify import SparseProbs
 from pipeline.engine.drafting.base import DraftBatch
 from pipeline.engine.drafting.ngram import NgramDrafter
 from pipeline.engine.drafting.suffix import SuffixDrafter
-from pipeline.engine.drafting.trees import grow_tree
+from pipeline.engine.drafting.trees import DraftTree, grow_tree
 
 # a toy index: state = path; after () come 7 (6 times), 8 (3), 9 (1); after any path of length 1-3,
 # its last token + 1 (4 times) or + 2 (1 time)
@@ -60,7 +60,7 @@ def test_suffix_tree_offers_the_other_continuations():
     assert roots == [4, 6]                              # after 1 2 3: 4 twice, 6 once, likeliest first
     assert tree.probs[:2] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
     batch = drafter.propose([seq(text)], [3], [None])
-    assert batch.is_tree and batch.proposals[0] == tree.tokens and batch.scores[0] == tree.probs
+    assert batch.is_tree and batch.proposals[0] == tree.tokens and batch.plans[0].probs == tree.probs
 
 
 def test_sampled_suffix_trees_only_where_configured_and_the_row_samples():
@@ -97,17 +97,19 @@ def test_ngram_tree_counts_every_occurrence():
 
 
 def test_a_batch_of_trees_cut_to_size():
-    batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", None, [[-1, -1, 0, 1], [-1, 0]],
-                                  [[0.5, 0.4, 0.3, 0.2], [0.9, 0.8]])
+    plans = [DraftTree([5, 6, 7, 8], [-1, -1, 0, 1], [0.5, 0.4, 0.3, 0.2]), DraftTree([1, 2], [-1, 0], [0.9, 0.8])]
+    batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", None, [[-1, -1, 0, 1], [-1, 0]], plans)
     cut = batch.truncated([3, 0])
     assert cut.proposals == [[5, 6, 7], []] and cut.parents == [[-1, -1, 0], []] and cut.num_draft == [3, 0]
-    assert DraftBatch.from_lists([[1, 2]], "cpu", None, [[-1, 0]], [[0.5, 0.2]]).parents is None   # a path
+    assert [t.probs for t in cut.plans] == [[0.5, 0.4, 0.3], []] and cut.plans[0].parents == [-1, -1, 0]
+    path = DraftBatch.from_lists([[1, 2]], "cpu", None, [[-1, 0]], plans[1:])
+    assert path.parents is None and path.plans == plans[1:]                 # a path, its plan kept
 
 
 def test_a_batch_of_sampled_trees_cut_to_size_keeps_each_tokens_q():
     q = [[([5, 6], [0.6, 0.4]), ([6], [1.0]), ([7, 8], [0.5, 0.5]), ([8], [1.0])], [([1, 3], [0.9, 0.1]), ([2], [1.0])]]
     batch = DraftBatch.from_lists([[5, 6, 7, 8], [1, 2]], "cpu", SparseProbs.from_lists(q, "cpu"),
-                                  [[-1, -1, 0, 1], [-1, 0]], [[0.5, 0.4, 0.3, 0.2], [0.9, 0.8]])
+                                  [[-1, -1, 0, 1], [-1, 0]])
     cut = batch.truncated([3, 1])
     assert cut.proposals == [[5, 6, 7], [1]]
     rows = [(int(r), int(t), round(float(p), 3)) for r, t, p in zip(cut.draft_probs.row, cut.draft_probs.token,
@@ -314,3 +316,50 @@ def test_suffix_tree_holds_both_indexes_continuations():
     alone = SuffixDrafter(SuffixParams(min_match=2, min_prob=0.05, max_cached_tokens=0),
                           tree=TreeParams(max_tokens=8, max_branches=2))
     assert 7 not in alone.lookup_tree(seq([1, 2, 3, 4, 5, 6, 30, 31, 1, 2, 3]), 4).tokens
+
+
+def first_token_law(children: list[tuple[int, dict[int, float]]], p: dict[int, float]) -> dict[int, float]:
+    """The law of the token a tree's root emits or moves to (independent of core/verify_tree.py): each
+    child (token, the q it was drawn from) in turn is accepted with probability min(1, r(y) / q(y)),
+    r <- norm([r - q]+) on rejection; the residual left at the end is drawn from."""
+    law, r, left = {}, dict(p), 1.0
+    for y, q in children:
+        accept = min(1.0, r.get(y, 0.0) / q[y])
+        law[y] = law.get(y, 0.0) + left * accept
+        left *= 1 - accept
+        res = {t: max(r.get(t, 0.0) - q.get(t, 0.0), 0.0) for t in set(r) | set(q)}
+        total = sum(res.values())
+        r = {t: v / total for t, v in res.items()} if total > 0 else r
+    for t, v in r.items():
+        law[t] = law.get(t, 0.0) + left * v
+    return law
+
+
+def test_adaptive_sampled_trees_are_sized_by_their_one_hot_twin(target_model):
+    """The index offers a: 3, b: 1 after the root; a goes on with c, b with nothing; the target's p is
+    a: .5, b: .5. Drawing a first grows [a, c, b] (estimates .75, .75, .25), drawing b first [b, a, c]
+    (.75, .25, .25). On the verify curve V(1) = 1, V(2) = V(3) = 1.6, V(4) = 1.7 with c_d = .5, the
+    first tree is worth keeping whole and the second not at all: sizing by the drawn estimates emits
+    a with probability .75 x 2/3 + .25 x .5 = .625. The engine sizes both by the one-hot twin (the
+    first tree's shape whatever was drawn), keeps 3 tokens of either, and a comes out with p's .5."""
+    from conftest import make_engine
+    a, b, c = 1, 2, 3
+    index = {(): [(0.75, a, (a,)), (0.25, b, (b,))], (a,): [(1.0, c, (a, c))]}
+    shape = TreeParams(max_tokens=4, max_branches=2, sampled=True)
+    engine = make_engine(target_model, "suffix", max_num_seqs=1, max_model_len=64, adaptive=True, tree=shape)
+    engine.costs.verify_curve = [(1, 1.0), (2, 1.6), (3, 1.6), (4, 1.7)]
+    engine.policy.tree_prior = 0.5
+    law = {}
+    for u, chance in ((0.1, 0.75), (0.9, 0.25)):              # the root's first draw: a, then b
+        tree = grow_tree((), lambda s: index.get(s, []), 3, 4, 2, 0.1, uniforms=iter([u, 0.5, 0.5, 0.5]))
+        assert tree.plan.tokens == [a, c, b] and tree.plan.probs == [0.75, 0.75, 0.25]
+        found = DraftBatch.from_lists([tree.tokens], "cpu", SparseProbs.from_lists([tree.q], "cpu"),
+                                      [tree.parents], [tree.plan])
+        kept = engine._sized(found)
+        assert kept.num_draft == [3] and kept.proposals[0] == tree.tokens[:3]
+        kids = [(tree.tokens[i], dict(zip(*tree.q[i]))) for i in children(tree.parents)[0]]
+        for token, prob in first_token_law(kids, {a: 0.5, b: 0.5}).items():
+            law[token] = law.get(token, 0.0) + chance * prob
+        drawn = engine.policy.tree_sizes([tree.probs], [tree.parents])      # the biased rule's size
+        assert drawn == ([3] if tree.tokens[0] == a else [0])
+    assert law[a] == pytest.approx(0.5) and law[b] == pytest.approx(0.5)
