@@ -50,6 +50,12 @@ def _missing(marker: str) -> str | None:
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--matrix", default="pairs", choices=("pairs", "full"),
+                     help="the exactness matrix's cells (tests/engine/test_exactness_matrix.py): a pairwise "
+                          "covering array (pairs, the default) or the whole product (full)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers gpu, avx512_bf16 and needs_cc skip with the reason in the skip summary (-ra)."""
     reasons = {m: _missing(m) for m in ("gpu", "avx512_bf16", "needs_cc")}

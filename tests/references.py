@@ -1,6 +1,9 @@
 """Independent reference implementations the engine's tests compare against."""
 from __future__ import annotations
 
+import itertools
+from typing import Callable
+
 import numpy as np
 from scipy import stats
 
@@ -46,3 +49,142 @@ def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> 
         expected.append(pooled_exp)
     expected = np.array(expected) * (n / sum(expected))
     return float(stats.chisquare(observed, expected).pvalue)
+
+
+# ---- the exact law of short outputs, and its chi-square bins ----------------------------------------
+def penalised(logits: np.ndarray, prompt: list[int], output: list[int], p: SamplingParams) -> np.ndarray:
+    """vLLM's penalties, independently: repetition over prompt + output (positive logits divided,
+    negative multiplied), presence and frequency over the output."""
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=len(logits)).astype(np.float64)
+    seen = (counts > 0) | (np.bincount(np.asarray(prompt, dtype=np.int64), minlength=len(logits)) > 0)
+    rep = np.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+    return np.where(seen, rep, logits) - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def processed(logits: np.ndarray, prompt: list[int], output: list[int], p: SamplingParams,
+              allowed: np.ndarray | None = None) -> np.ndarray:
+    """The distribution a row samples from after `output`: penalties -> grammar mask -> temperature ->
+    top-k -> top-p -> min-p; greedy rows one-hot on the argmax."""
+    z = penalised(logits.astype(np.float64), prompt, output, p)
+    if allowed is not None:
+        z = np.where(allowed, z, -np.inf)
+    if p.temperature == 0:
+        return np.eye(len(z))[int(np.argmax(z))]
+    return reference_probs(z, p)
+
+
+def exact_law(step: Callable[[tuple], np.ndarray], length: int, eos: set[int]) -> dict[tuple, float]:
+    """Every output of at most `length` tokens (shorter ones end in EOS) with its probability, where
+    step(prefix) is the distribution after the generated tokens `prefix`."""
+    law: dict[tuple, float] = {}
+
+    def visit(prefix: tuple, prob: float) -> None:
+        probs = step(prefix)
+        for tok in np.flatnonzero(probs > 0):
+            seq = prefix + (int(tok),)
+            if tok in eos or len(seq) == length:
+                law[seq] = law.get(seq, 0.0) + prob * probs[tok]
+            else:
+                visit(seq, prob * probs[tok])
+    visit((), 1.0)
+    assert abs(sum(law.values()) - 1) < 1e-9
+    return law
+
+
+def prefix_bins(law: dict[tuple, float], n: int, min_expected: float = 5.0) -> dict[tuple, float]:
+    """Chi-square bins for n samples, from the exact law alone: an output expected >= min_expected
+    times is its own bin; the others pool under their longest prefix whose remainder (what no finer
+    bin holds) is expected that often, so a shift between first tokens stays visible; the rest is ()."""
+    prefixes: dict[tuple, float] = {}
+    for out, prob in law.items():
+        for k in range(1, len(out)):
+            prefixes[out[:k]] = prefixes.get(out[:k], 0.0) + prob
+    bins = {out: prob for out, prob in law.items() if prob * n >= min_expected}
+    for k in range(max(map(len, law), default=0) - 1, 0, -1):
+        for prefix in [p for p in prefixes if len(p) == k]:
+            inside = sum(prob for b, prob in bins.items() if len(b) > k and b[:k] == prefix)
+            if (prefixes[prefix] - inside) * n >= min_expected:
+                bins[prefix] = prefixes[prefix] - inside
+    bins[()] = max(0.0, 1.0 - sum(bins.values()))
+    return bins
+
+
+def binned_pvalue(counts: dict[tuple, int], law: dict[tuple, float], min_expected: float = 5.0) -> float:
+    """Chi-square p-value of observed outputs against their exact law over prefix_bins; 0 where an
+    output the law gives probability 0 was observed. A remainder bin expected < min_expected times
+    joins the smallest other bin."""
+    n = sum(counts.values())
+    if any(law.get(out, 0.0) == 0.0 for out in counts):
+        return 0.0
+    bins = prefix_bins(law, n, min_expected)
+    observed = dict.fromkeys(bins, 0)
+    for out, c in counts.items():
+        observed[next(out[:k] for k in range(len(out), -1, -1) if out[:k] in bins)] += c
+    if bins[()] * n < min_expected:                 # too small to stand alone
+        smallest = min((b for b in bins if b), key=bins.get)
+        bins[smallest] += bins.pop(())
+        observed[smallest] += observed.pop(())
+    keys = list(bins)
+    return float(stats.chisquare([observed[k] for k in keys], [bins[k] * n for k in keys]).pvalue)
+
+
+# ---- a vocabulary small enough to enumerate, with grammars ----------------------------------------
+TINY_TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
+TINY_EOS = 0
+
+
+class TinyTokenizer:
+    """Longest-match tokenizer over TINY_TOKENS (what llguidance needs of a tokenizer)."""
+    eos_token_id, bos_token_id, tokens, special_token_ids = TINY_EOS, None, TINY_TOKENS, [TINY_EOS]
+
+    def __call__(self, text):
+        text = text.encode() if isinstance(text, str) else text
+        out, i = [], 0
+        while i < len(text):
+            best = max((t for t in range(1, len(TINY_TOKENS)) if text.startswith(TINY_TOKENS[t], i)),
+                       key=lambda t: len(TINY_TOKENS[t]))
+            out.append(best)
+            i += len(TINY_TOKENS[best])
+        return out
+
+
+def tiny_grammars():
+    """response_format support over TINY_TOKENS."""
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    from pipeline.engine.grammar.library import Grammars
+    vocab = len(TINY_TOKENS)
+    return Grammars(llguidance.LLTokenizer(TokenizerWrapper(TinyTokenizer()), n_vocab=vocab), vocab)
+
+
+def grammar_mask(grammars, params: SamplingParams, prefix) -> np.ndarray:
+    """The tokens params.response_format allows after `prefix`, by llguidance's matcher driven directly."""
+    import llguidance
+    matcher = llguidance.LLMatcher(grammars.tokenizer, grammars.compile(params.constraint), log_level=0)
+    assert matcher.consume_tokens(list(prefix))
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return bits[:grammars.vocab_size].astype(bool)
+
+
+# ---- covering arrays ---------------------------------------------------------------------------------
+def interactions(cell: dict, triples: tuple = ()) -> set:
+    """A cell's (factor, value) pairs, and its triples among the factors `triples`."""
+    items = sorted(cell.items())
+    out = set(itertools.combinations(items, 2))
+    return out | set(itertools.combinations([i for i in items if i[0] in triples], 3))
+
+
+def covering_array(cells: list[dict], triples: tuple = ()) -> list[dict]:
+    """A subset of `cells` (dicts of factor -> value) holding every interaction (`interactions`) that
+    some cell holds: every pair of factor values that occur together, and every triple among the
+    factors `triples`. Greedy (the cell holding the most uncovered ones first, ties: the earliest),
+    deterministic."""
+    held = [interactions(c, triples) for c in cells]
+    uncovered = set().union(*held)
+    chosen = []
+    while uncovered:
+        best = max(range(len(cells)), key=lambda i: len(held[i] & uncovered))
+        chosen.append(cells[best])
+        uncovered -= held[best]
+    return chosen

@@ -12,7 +12,7 @@ from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDra
                       NgramDrafter, SpecEngine, SuffixDrafter, TreeParams)
 from ..engine.config import AUTO
 from ..engine.grammar.library import Grammars
-from ..engine.model.hf_config import reject_unsupported
+from ..engine.model.hf_config import reject_unsupported, text_config
 from ..engine.model.slots import choose_max_num_seqs
 from ..loading.hardware import DtypeChoice, resolve_dtype
 from ..loading.models import ModelSpec, check_vocab_compatible, load_model, model_id
@@ -77,16 +77,28 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
     if engine_cfg.max_num_seqs == AUTO:
         n, slots_reason = choose_max_num_seqs([m for m in (target, draft) if m is not None], engine_cfg.max_model_len)
         engine_cfg = replace(engine_cfg, max_num_seqs=n)
-    drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
-    if drafting.free_method is not None:
-        free = free_drafter(drafting, drafting.free_method, models.device)
-        drafter = HybridDrafter(free, drafter) if drafter is not None else free
-    runner = ModelRunner(target, engine_cfg, kernels)
     eos = eos_ids(target, tokenizer)
-    engine = SpecEngine(runner, drafter, engine_cfg, eos_token_ids=eos,
-                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), drafting=drafting,
-                        grammars=grammars_for(tokenizer, runner.vocab_size, eos))
+    engine = assemble_engine(target, draft, drafting, engine_cfg, kernels, eos,
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos))
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype, slots_reason)
+
+
+def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineConfig, kernels: Kernels | None = None,
+                    eos: list[int] = (), decode=None, grammars: Grammars | None = None) -> SpecEngine:
+    """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
+    None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
+    must be resolved."""
+    if drafting.uses_draft_model != (draft is not None):
+        raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
+                                                                    else "runs no draft model"))
+    drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
+    runner = ModelRunner(target, engine_cfg, kernels)
+    if drafting.free_method is not None:
+        free = free_drafter(drafting, drafting.free_method, runner.device)
+        drafter = HybridDrafter(free, drafter) if drafter is not None else free
+    return SpecEngine(runner, drafter, engine_cfg, eos_token_ids=list(eos), decode=decode, drafting=drafting,
+                      grammars=grammars)
 
 
 def grammars_for(tokenizer, vocab_size: int, eos: list[int]) -> Grammars | None:

@@ -17,40 +17,22 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from llguidance._tokenizer import TokenizerWrapper
 
 import pipeline.engine.engine as engine_module
 from conftest import make_engine, noisy_copy, tiny_llama
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.core.sampling import bitmask_to_bool
-from pipeline.engine.grammar.library import Grammars
-from references import reference_probs
-from references import chi2_pvalue
+from references import TINY_EOS, TINY_TOKENS, chi2_pvalue, reference_probs, tiny_grammars
 
-TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
-EOS, VOCAB, LENGTH, N, ALPHA = 0, 8, 5, 20_000, 1e-5
+EOS, VOCAB, LENGTH, N, ALPHA = TINY_EOS, len(TINY_TOKENS), 5, 20_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
 ACAC = [1, 3, 1, 3, 1, 2, 1]    # suffix-own: its own counts after "a" are "c" twice and "b" once: mostly forbidden
 GRAMMAR = {"type": "grammar", "grammar": 'start: "{" ("a" | "b")+ "}"'}
 
 
-class TinyTokenizer:
-    """Longest-match tokenizer over TOKENS (what llguidance needs of a tokenizer)."""
-    eos_token_id, bos_token_id, tokens, special_token_ids = EOS, None, TOKENS, [EOS]
-
-    def __call__(self, text):
-        text = text.encode() if isinstance(text, str) else text
-        out, i = [], 0
-        while i < len(text):
-            best = max((t for t in range(1, VOCAB) if text.startswith(TOKENS[t], i)), key=lambda t: len(TOKENS[t]))
-            out.append(best)
-            i += len(TOKENS[best])
-        return out
-
-
 @pytest.fixture(scope="module")
 def grammars():
-    return Grammars(llguidance.LLTokenizer(TokenizerWrapper(TinyTokenizer()), n_vocab=VOCAB), VOCAB)
+    return tiny_grammars()
 
 
 @pytest.fixture(scope="module")

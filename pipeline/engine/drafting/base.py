@@ -66,13 +66,13 @@ class DraftBatch:
     def truncated(self, keep: list[int]) -> "DraftBatch":
         """Each tree's first keep[b] tokens: the best subtree of that size, as drafting/trees.py lists
         them (sampled trees: siblings still in the order they were drawn, each with its q row: the tree
-        grown to keep[b] tokens), and likewise its plan's."""
+        grown to keep[b] tokens; a tree smaller than keep[b] whole), and likewise its plan's."""
         plans = None if self.plans is None else [DraftTree(t.tokens[:k], t.parents[:k], t.probs[:k])
                                                  for t, k in zip(self.plans, keep)]
         out = DraftBatch.from_lists([p[:k] for p, k in zip(self.proposals, keep)], self.draft_ids.device, None,
                                     None if self.parents is None else [p[:k] for p, k in zip(self.parents, keep)],
                                     plans)
-        first = [list(range(k)) for k in keep]
+        first = [list(range(n)) for n in out.num_draft]
         return self._moved_q(out, first, first)
 
     def tokens(self, b: int) -> list[int]:
