@@ -3,8 +3,9 @@ packed linear and our panel kernel (pipeline/engine/backends/cpu/linear.py, csrc
 
     .venv/bin/python -m bench.linear_kernels --threads 2 --weights qwen-mlp
     .venv/bin/python -m bench.linear_kernels --threads 2 --weights smollm2 --rows 1 2 4 8 24 64 256 2048
+    .venv/bin/python -m bench.linear_kernels --threads 2 --weights smollm2 --dtype bfloat16   # bf16 panel: avx512_bf16
 
-Weights (fp32, far more than the caches together, as in a real forward):
+Weights (fp32, or --dtype bfloat16; far more than the caches together, as in a real forward):
   qwen-mlp  eight [8960 x 1536] (one Qwen2.5-1.5B MLP projection each, 440 MB)
   smollm2   every linear of SmolLM2-135M (30 layers x q, k, v, o, gate, up, down, and the 49152-row
             lm_head: 540 MB), i.e. the linears of one whole forward
@@ -46,25 +47,27 @@ def main() -> None:
     ap.add_argument("--weights", default="qwen-mlp", choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8, 16, 40])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = policy("on", torch.device("cpu"), torch.float32)
+    dtype = getattr(torch, args.dtype)
+    kernel = policy("on", torch.device("cpu"), dtype)
     gen = torch.Generator().manual_seed(0)
     linears = []
     for out_f, in_f, count in SHAPES[args.weights]:
         for _ in range(count):
             lin = torch.nn.Linear(in_f, out_f, bias=False)
-            lin.weight.data = torch.randn(out_f, in_f, generator=gen)
+            lin.weight.data = torch.randn(out_f, in_f, generator=gen).to(dtype)
             linears.append(lin)
-    weight_gb = sum(lin.weight.numel() for lin in linears) * 4 / 1e9
+    weight_gb = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) / 1e9
     packed = [PackedLinear(lin) for lin in linears]
     panels = [PanelLinear(lin, kernel) for lin in linears]
     rows = []
-    print(f"{args.weights}: {len(linears)} weights, {weight_gb:.2f} GB fp32, {args.threads} threads")
+    print(f"{args.weights}: {len(linears)} weights, {weight_gb:.2f} GB {args.dtype}, {args.threads} threads")
     print("| rows | F.linear ms | oneDNN packed ms | panel ms | packed / panel | panel GB/s | panel vs 1 row |\n"
           "|---|---|---|---|---|---|---|")
     for m in args.rows:
-        xs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen) for lin in linears}
+        xs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen).to(dtype) for lin in linears}
         with torch.no_grad():
             plain = median_ms(lambda: [F.linear(xs[lin.in_features], lin.weight) for lin in linears], args.repeats)
             onednn = median_ms(lambda: [p(xs[p.in_features]) for p in packed], args.repeats)
