@@ -234,12 +234,17 @@ def reference(models, grammars):
 
 @pytest.fixture(scope="module")
 def greedy_prompts(reference):
-    """Six prompts (a motif repeated, so lookups find matches) whose greedy paths under every greedy row
-    kind keep a top-2 gap >= 1e-3."""
+    """Six prompts whose greedy paths under every greedy row kind keep a top-2 gap >= 1e-3: three repeat
+    a motif (lookups find long matches), three are PROMPT's shape, a pair of tokens followed by three
+    different ones and then again (lookups find several continuations: trees branch)."""
     rng, chosen = random.Random(3), []
     while len(chosen) < 6:
-        motif = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 4))]
-        prompt = tuple((motif * 6)[:rng.randint(5, 14)])
+        token = lambda: rng.randrange(1, VOCAB)
+        if len(chosen) % 2:
+            x, y = token(), token()
+            prompt = tuple(t for _ in range(3) for t in (x, y, token(), token())) + (x, y)
+        else:
+            prompt = tuple(([token() for _ in range(rng.randint(2, 4))] * 6)[:rng.randint(5, 14)])
         if all(reference.greedy(prompt, row)[1] >= 1e-3 for row in ROWS if row.is_greedy):
             chosen.append(prompt)
     return chosen
