@@ -284,11 +284,14 @@ def probe_draws(engine, record) -> None:
     """The exactness rule's check for adaptive trees (drafting/trees.py): each step, the drafter's
     proposal is drawn again from other generators for the same state and sized by the engine's
     policy; each sampled row's kept size must come out the same (a size that follows the draws makes
-    a position's existence depend on its own draw). record(seq, same) counts."""
+    a position's existence depend on its own draw). The drafter's indexes are synced with the
+    committed tokens before the proposal, so both proposals read one index state (a sequence admitted
+    this step would otherwise join the worker-wide index between them). record(seq, same) counts."""
     propose, sized, policy = engine.drafter.propose, engine._sized, engine.policy
     tree_sizes, forget, asked, kept = policy.tree_sizes, policy.forget_trees, {}, []
 
     def proposing(seqs, lengths, generators, guide=None):
+        engine.drafter.on_commit(seqs)      # indexes synced first (as every commit does): one state for both
         asked.update(seqs=seqs, lengths=lengths, guide=guide)
         return propose(seqs, lengths, generators, guide)
 
