@@ -289,6 +289,7 @@ def probe_draws(engine, record) -> None:
     this step would otherwise join the worker-wide index between them). record(seq, same) counts."""
     propose, sized, policy = engine.drafter.propose, engine._sized, engine.policy
     tree_sizes, forget, asked, kept = policy.tree_sizes, policy.forget_trees, {}, []
+    seeds = itertools.count(1 << 40)                        # the other draws' generators: reruns reproduce
 
     def proposing(seqs, lengths, generators, guide=None):
         engine.drafter.on_commit(seqs)      # indexes synced first (as every commit does): one state for both
@@ -298,7 +299,7 @@ def probe_draws(engine, record) -> None:
     def sizing(found):
         kept.clear()
         if found.plans is not None:         # the other draws first, leaving no trace (no forgetting)
-            others = [torch.Generator().manual_seed(random.randrange(1 << 62)) for _ in asked["seqs"]]
+            others = [torch.Generator().manual_seed(next(seeds)) for _ in asked["seqs"]]
             policy.forget_trees = lambda *a: None
             sized(propose(asked["seqs"], asked["lengths"], others, asked["guide"]))
             policy.forget_trees = forget
@@ -353,20 +354,17 @@ def run_plan(cell: Cell, cells: list[Cell]) -> dict[Row, int]:
     return {row: N if row in own else N_FILLER for row in ROWS}
 
 
-_RUNS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def cell_results(request, models, grammars, greedy_prompts):
-    cells = selected_cells(request.config.getoption("--matrix"))
+    cells, last = selected_cells(request.config.getoption("--matrix")), {}
 
     def results(cell: Cell) -> dict[Row, RowResult]:
         key = (cell.drafting, cell.batch, cell.row if cell.batch == "1" else None)
-        if key not in _RUNS:
+        if key not in last:                # one run kept: cells of one run are consecutive
             slots = 1 if cell.batch == "1" else MIXED_SLOTS
-            _RUNS.clear()                  # one run kept: cells of one run are consecutive
-            _RUNS[key] = run(build(models, grammars, cell.drafting, slots), run_plan(cell, cells), greedy_prompts)
-        return _RUNS[key]
+            last.clear()
+            last[key] = run(build(models, grammars, cell.drafting, slots), run_plan(cell, cells), greedy_prompts)
+        return last[key]
     results.alpha = FAMILY_ALPHA / sum(not c.row.is_greedy for c in cells)
     return results
 
