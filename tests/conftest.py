@@ -113,7 +113,8 @@ def noisy_copy(model, noise: float, seed: int = 1):
 
 def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: int = 1, max_n: int = 3,
                  compile: str = "off", cpu_attention: str = "auto", cpu_linear: str = "auto",
-                 cpu_decoder: str = "auto", cuda_graphs: str = "auto", tree: TreeParams = TreeParams()):
+                 cpu_decoder: str = "auto", cuda_graphs: str = "auto", tree: TreeParams = TreeParams(),
+                 linear_plan=None):
     if kind == "none":
         return None
     if kind == "ngram":
@@ -126,7 +127,8 @@ def make_drafter(kind: str, draft_model, num_slots: int, max_len: int, min_n: in
     method = "probabilistic" if kind in ("draft-prob", "hybrid-suffix-prob") else "greedy"
     model_drafter = DraftModelDrafter(build_runner(copy.deepcopy(draft_model), num_slots, max_len, compile=compile,
                                                   cpu_attention=cpu_attention, cpu_linear=cpu_linear,
-                                                  cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs), method)
+                                                  cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs,
+                                                  linear_plan=linear_plan), method)
     if kind in ("hybrid-suffix", "hybrid-suffix-prob"):   # suffix drafts sampled from counts where sampling
         return HybridDrafter(SuffixDrafter(SuffixParams(min_match=1)), model_drafter)
     return HybridDrafter(NgramDrafter(min_n, max_n), model_drafter) if kind == "hybrid" else model_drafter
@@ -140,17 +142,19 @@ def drafting_method(kind: str) -> str:
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
-                forced_tokens=True, tree: TreeParams = TreeParams()):
+                forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
-    compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: our panel kernel
-    (cpu_linear="auto", cpu_linear.py), else oneDNN-packed weights. The forward: one loop over those
+    compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: the plan measured on
+    this machine (cpu_linear="auto", cpu/calibrate.py), our panel kernel everywhere ("on"), oneDNN's
+    packed linear ("off"), or `linear_plan` (a LinearPlan) for every family. The forward: one loop over those
     kernels where they are all in use (cpu_decoder="auto", cpu_decoder.py), else the model's modules.
     CUDA graphs (cuda_graphs.py): auto captures them on CUDA; "uncaptured" runs their padded, bucketed
     forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path.
     tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0)."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
-                           cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree)
+                           cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree,
+                           linear_plan=linear_plan)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                        compile=compile, prefix_reuse=prefix_reuse,
                        cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
@@ -158,7 +162,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(build_runner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
-                                   cuda_graphs=cuda_graphs),
+                                   cuda_graphs=cuda_graphs, linear_plan=linear_plan),
                       drafter, cfg, list(eos), decode,
                       drafting=DraftingConfig(method=drafting_method(kind), num_speculative_tokens=g, adaptive=adaptive,
                                               forced_tokens=forced_tokens, tree=tree),

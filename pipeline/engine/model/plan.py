@@ -18,7 +18,7 @@ from ..backends.cpu.attention import CpuAttention
 from ..backends.cpu.attention import policy as cpu_attention_policy
 from ..backends.cpu.fused import FusedOps
 from ..backends.cpu.fused import policy as cpu_fused_policy
-from ..backends.cpu.linear import PanelKernel
+from ..backends.cpu.linear import LinearPlan, PanelKernel
 from ..backends.cpu.linear import policy as cpu_linear_policy
 from ..backends.cuda.graphs import policy as cuda_graphs_policy
 from ..backends.flex import flex_unavailable
@@ -28,9 +28,11 @@ from ..config import MODES, EngineConfig
 @dataclass(frozen=True)
 class Kernels:
     """Per-kernel switches (auto | on | off): test and benchmark seams under `engine.kernels`."""
-    packed_linear: bool = True      # CPU: regroup linear weights once (our panel kernel's, else oneDNN's)
+    packed_linear: bool = True      # CPU: regroup linear weights once for the kernels their plan runs
     cpu_attention: str = "auto"     # our C attention kernel, each row reading its own keys
-    cpu_linear: str = "auto"        # with packed_linear: our C panel kernel, fp32/bf16
+    cpu_linear: str = "auto"        # with packed_linear: auto (the plan measured here: our panel kernel,
+                                    # oneDNN's packed linear, F.linear, by rows) | on (panel kernel) | off (oneDNN)
+    linear_plan: LinearPlan | None = None   # with packed_linear: this plan for every family instead
     cpu_fused: str = "auto"         # RMSNorm and silu(gate) * up as one pass each
     cpu_decoder: str = "auto"       # the forward as one loop over the three kernels above
     uncaptured_graphs: bool = False  # the CUDA graphs' padded forward run without capture (CPU tests)
@@ -47,8 +49,8 @@ class Kernels:
         for name in ("cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{name}: expected one of {MODES}, got {getattr(self, name)!r}")
-        if self.cpu_linear == "on" and not self.packed_linear:
-            raise ValueError("cpu_linear=on needs packed_linear (without it torch's linears run)")
+        if (self.cpu_linear == "on" or self.linear_plan is not None) and not self.packed_linear:
+            raise ValueError("cpu_linear=on and linear_plan need packed_linear (without it torch's linears run)")
 
 
 @dataclass
@@ -95,7 +97,8 @@ def choose_backends(config: EngineConfig, kernels: Kernels, device: torch.device
 class BackendPlan:
     """What runs one model's forward, as applied."""
     attention: str      # cpu-kernel | flex | flex-where-cheaper | sdpa
-    linear: str         # panel-<dtype> | onednn-packed | torch
+    linear: str         # the measured plan per row count (calibrate.py) | panel-<dtype> | onednn-packed |
+                        # planned: <plan> (forced) | torch
     norms: str          # fused | modules
     decoder: str        # cpu-loop | modules
     graphs: str         # captured | uncaptured | off

@@ -16,7 +16,10 @@ import torch
 
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse
-from ..backends.cpu.linear import can_pack, pack_linears, panel_linears
+from ..backends.cpu.calibrate import Calibration, calibrate
+from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_shapes,
+                                   planned_linears)
+from ..backends.cpu.linear import family as family_of_linear
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
@@ -26,7 +29,7 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import choose_max_num_seqs
+from .slots import MEMORY_SHARE, choose_max_num_seqs, free_memory
 
 
 def cache_kwarg(model) -> str:
@@ -67,6 +70,7 @@ class ModelRunner:
                                  head_size, self.dtype, self.device)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
+        self.kernels = kernels
         self._apply(model, chosen, kernels)
         # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
         # (or the CPU loop over them) take every forward.
@@ -81,13 +85,17 @@ class ModelRunner:
         # swapped below (the merged gate/up is a plain nn.Linear)
         self.cpu_fused = chosen.fused
         self.fused_norms, self.fused_mlps = fuse(model, chosen.fused) if chosen.fused is not None else (0, 0)
-        # Linear weights regrouped once for our panel kernel (fp32 or bf16), else reordered for oneDNN: a
-        # decoding step then streams the weights at memory speed, and verifying a few tokens per sequence
-        # costs little more than one (backends/cpu/linear.py). Without packed_linear: torch's F.linear.
+        # Linear weights held in the layout of each kernel the plan runs them with: our panel kernel for
+        # few rows, oneDNN's packed linear (AMX tiles where the CPU has them) for many, as measured on this
+        # machine (backends/cpu/calibrate.py); a step then streams the weights at memory speed, and
+        # verifying a few tokens per sequence costs little more than one. Without packed_linear: F.linear.
         self.cpu_linear = chosen.linear
-        self.panel_linears = panel_linears(model, chosen.linear) if chosen.linear is not None else 0
-        self.packed_linears = (pack_linears(model) if not self.panel_linears and kernels.packed_linear
-                               and can_pack(self.device, self.dtype) else 0)
+        self.calibration: Calibration | None = None
+        plans = self._linear_plans(model, chosen, kernels)
+        self.planned = planned_linears(model, plans, chosen.linear) if plans else 0
+        planned = [m for m in model.modules() if type(m) is PlannedLinear]
+        self.panel_linears = sum(PANEL_KIND in m.plan.kinds for m in planned)
+        self.packed_linears = sum(ONEDNN in m.plan.kinds for m in planned)
         # Attention through the slot store. Calls without `slot_layout` (e.g. HF generate on the same
         # model object) fall through to SDPA, so the model stays usable elsewhere.
         register_attention()
@@ -95,14 +103,40 @@ class ModelRunner:
         # With all of the above in place: the forward as one loop over those kernels, RoPE and the KV
         # write in one pass, q/k/v as one linear; the same numbers as the model's forward, without its glue.
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
-                                          chosen.linear if self.panel_linears else None, self.max_model_len,
-                                          active_sliding_window(model.config))
+                                          self.max_model_len, active_sliding_window(model.config))
+
+    def _linear_plans(self, model, chosen: Backends, kernels: Kernels) -> dict[str, LinearPlan] | None:
+        """Each family's plan (linear.py's FAMILIES): cpu_linear on: the panel kernel at every row count;
+        off: oneDNN's packed linear; auto: measured here among the kernels that run (calibrate.py),
+        with a second copy of a family's weights only where it fits in the memory share of the KV stores.
+        None: torch's modules as they are (packed_linear off, or nothing of ours runs here)."""
+        if not kernels.packed_linear or self.device.type != "cpu":
+            return None
+        shapes = family_shapes(model)
+        if kernels.linear_plan is not None:
+            return {f: kernels.linear_plan for f in shapes}
+        packs = can_pack(self.device, self.dtype)
+        if kernels.cpu_linear == "on" or (kernels.cpu_linear == "off" and packs):
+            kind = PANEL_KIND if kernels.cpu_linear == "on" else ONEDNN
+            return {f: LinearPlan.single(kind) for f in shapes}
+        kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (ONEDNN, packs), (TORCH, True)) if ok)
+        if kernels.cpu_linear == "off" or kinds == (TORCH,):
+            return None
+        weights: dict[str, list[torch.Tensor]] = {}
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear:
+                weights.setdefault(family_of_linear(name), []).append(module.weight.detach())
+        budget = int(free_memory(self.device) * MEMORY_SHARE["cpu"])
+        self.calibration = calibrate(weights, shapes, kinds, chosen.linear).within(budget)
+        return self.calibration.plans
 
     def _plan(self, chosen: Backends) -> BackendPlan:
         attention = ("cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
-        linear = (f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else
-                  "onednn-packed" if self.packed_linears else "torch")
+        forced = self.kernels.linear_plan
+        linear = ("torch" if not self.planned else self.calibration.describe() if self.calibration is not None
+                  else f"planned: {forced.describe()}" if forced is not None
+                  else f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else "onednn-packed")
         graphs = "off" if self.graphs is None else "captured" if chosen.capture_graphs else "uncaptured"
         return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules",
                            "cpu-loop" if self.decoder is not None else "modules", graphs)

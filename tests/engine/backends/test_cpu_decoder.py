@@ -1,9 +1,10 @@
 """The forward as one loop over our CPU kernels (pipeline/engine/backends/cpu/decoder.py, the cpu_decoder switch):
 bitwise the logits and the slot store of the same runner on the model's own modules, for each family
 it takes (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms, Mistral), fp32 and bf16,
-over ragged rows, non-contiguous slots, prefill chunks, verify steps and rollbacks; q/k/v merged into
-one linear or not; which models and settings it refuses, and why; the self-check catching a wrong
-RoPE. The engine's greedy identity with HF generate runs on it too (test_greedy_identity.py "cpu",
+over ragged rows, non-contiguous slots, prefill chunks, verify steps and rollbacks, and over each
+linear plan (panel kernel, oneDNN, F.linear, and all three by rows in one step sequence); q/k/v
+merged into one linear or not; which models and settings it refuses, and why; the self-check
+catching a wrong RoPE. The engine's greedy identity with HF generate runs on it too (test_greedy_identity.py "cpu",
 test_kv_invariants.py, and every test on the default, auto)."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from pipeline.engine.backends.cpu import decoder as cpu_decoder, fused as cpu_fused
+from pipeline.engine.backends.cpu.linear import LinearPlan
 from pipeline.engine.model.runner import build_runner
 
 pytestmark = pytest.mark.needs_cc
@@ -39,9 +41,16 @@ def _model(family: str, dtype: torch.dtype, seed: int = 0):
     return model.to(dtype)
 
 
-def _pair(model, slots: int = 5, max_len: int = 200):
-    loop = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="on")
-    modules = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="off")
+# Linear plans the loop runs over. The steps below forward 50, 18, 4, 3 and 8 tokens: the mixed plan
+# takes each kernel in some step (3, 4: panel; 8: oneDNN; 18, 50: F.linear).
+PANELS = LinearPlan.single("panel")
+PLANS = {"panel": PANELS, "onednn": LinearPlan.single("onednn"), "torch": LinearPlan.single("torch"),
+         "mixed": LinearPlan(((4, "panel"), (8, "onednn"), (16, "torch")))}
+
+
+def _pair(model, slots: int = 5, max_len: int = 200, plan: LinearPlan = PANELS):
+    loop = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="on", linear_plan=plan)
+    modules = build_runner(copy.deepcopy(model), slots, max_len, cpu_decoder="off", linear_plan=plan)
     assert loop.decoder is not None and modules.decoder is None
     return loop, modules
 
@@ -76,11 +85,13 @@ def _assert_same(loop, modules, steps=STEPS):
     assert loop.num_forward_tokens == modules.num_forward_tokens
 
 
+@pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.avx512_bf16)])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_loop_is_bitwise_the_modules(family, dtype):
-    loop, modules = _pair(_model(family, dtype))
-    assert loop.decoder.merged == COMMON["num_hidden_layers"]          # q/k/v as one linear everywhere
+def test_loop_is_bitwise_the_modules(family, dtype, plan):
+    loop, modules = _pair(_model(family, dtype), plan=PLANS[plan])
+    assert loop.decoder.merged == COMMON["num_hidden_layers"] * ("panel" in PLANS[plan].kinds)   # q/k/v as one
+    assert loop.plan.linear == f"planned: {PLANS[plan].describe()}"
     _assert_same(loop, modules)
 
 
@@ -109,9 +120,9 @@ def test_unmerged_projections_take_three_calls():
 def test_modules_on_the_merged_panels_compute_the_same():
     """The merge leaves q/k/v_proj holding views of one buffer: the model's own forward through them
     (the runner with its loop taken away) gives what the loop gives."""
-    loop = build_runner(_model("llama", torch.float32), 5, 200, cpu_decoder="on")
+    loop = build_runner(_model("llama", torch.float32), 5, 200, cpu_decoder="on", linear_plan=PANELS)
     attn = loop.model.model.layers[1].self_attn
-    merged = loop.decoder.layers[1].qkv
+    merged = loop.decoder.layers[1].qkv.panels
     assert attn.k_proj.panels.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
     with_loop = _run(loop, STEPS[:2])
     keys = [k.clone() for k in loop.cache.keys]
@@ -174,5 +185,5 @@ def test_self_check_catches_a_wrong_rope():
 
 def test_unsupported_names_the_missing_kernels():
     model = _model("llama", torch.float32)
-    why = cpu_decoder.unsupported(model, None, None, None, 64)
-    assert "cpu_attention, cpu_fused, cpu_linear is not in use" in why
+    why = cpu_decoder.unsupported(model, None, None, 64)
+    assert "cpu_attention, cpu_fused is not in use" in why

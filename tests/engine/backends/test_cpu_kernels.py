@@ -138,7 +138,7 @@ def test_bf16_panel_linear_and_runner():
         cpu_linear.PanelLinear(nn.Linear(8, 8), kernel(torch.bfloat16))
     model = tiny_llama(seed=3).bfloat16()
     plain = copy.deepcopy(model)
-    runner = build_runner(model, 2, 64)
+    runner = build_runner(model, 2, 64, cpu_linear="on")
     assert runner.panel_linears > 0 and runner.cpu_linear.dtype == torch.bfloat16
     ids = torch.tensor([mixed_prompts(1, 512, seed=5)[0] * 3])
     with torch.no_grad():
@@ -179,10 +179,10 @@ def test_a_model_with_panels_copies_and_pickles():
             torch.testing.assert_close(other(ids).logits, want, rtol=0, atol=0)
 
 
-def test_runner_uses_panels_by_default_on_cpu_fp32():
+def test_runner_takes_panels_everywhere_where_told():
     model = tiny_llama(seed=3)
     plain = copy.deepcopy(model)
-    runner = build_runner(model, 2, 64)
+    runner = build_runner(model, 2, 64, cpu_linear="on")
     num_linear = sum(type(m) is nn.Linear for m in plain.modules())      # gate + up: one linear (cpu_fused)
     assert runner.fused_mlps == 2
     assert runner.panel_linears == num_linear - runner.fused_mlps > 0 and runner.packed_linears == 0

@@ -7,11 +7,16 @@ that "rest" measured 12.3 ms of a 35.9 ms batch-1 step and 15.8 of 50.4 ms for 4
 (bench/step_split.py). Here each layer is
 
     h = norm(residual)                      (the previous layer's add and this norm: one pass)
-    q, k, v = qkv(h)                        (one panel-kernel call: q/k/v's panels side by side)
+    q, k, v = qkv(h)                        (one panel-kernel call where the plan takes panels: q/k/v's
+                                             panels side by side; else three calls)
     q = rope(q); store <- rope(k), v        (one pass: fused_ops.c rope_store)
     a = attention(q, store)                 (slot_attention.c, each row its own keys)
     residual += o(a); h = norm(residual)    (one pass)
-    residual += mlp(h)                      (the model's MLP module: GateUpMLP in fp32)
+    residual += mlp(h)                      (gate/up, silu * up, down: GateUpMLP in fp32; else the module)
+
+Every linear is a PlannedLinear (linear.py): each call runs the kernel its row count is planned for,
+our panel kernel or oneDNN's packed linear (AMX where present) or torch's, so the loop is the same
+over any plan.
 
 and a prefill forward (no logits wanted) stops at the last layer's KV write: the rest of that layer
 feeds only the logits.
@@ -21,7 +26,7 @@ adds rounding where torch's ops round (fp32 and bf16), so the logits are bitwise
 own forward through the runner (tests/engine/backends/test_cpu_decoder.py checks it, per family and dtype).
 
 Scope: the families cpu_fused knows (Llama, SmolLM, Qwen2/2.5, Qwen3, Mistral) when the runner has put
-our kernels in all the places above (attention, fused norms, panel linears for q/k/v/o) and the model
+our kernels in all the places above (attention, fused norms, planned linears for q/k/v/o) and the model
 has no sliding window shorter than the context served. Anything else keeps the model's forward;
 `unsupported()` says why. Its switch cpu_decoder (model/plan.py's Kernels, under engine.kernels) = auto | on | off.
 
@@ -41,7 +46,7 @@ from pipeline.engine.kv.store import SlotKVCache
 from .attention import CpuAttention
 from .build import choose
 from .fused import FusedOps, GateUpMLP, KernelRMSNorm
-from .linear import PANEL, PanelKernel, PanelLinear
+from .linear import MergedPanels, PlannedLinear, merge_panels
 
 # (transformers module, class prefix: <prefix>ForCausalLM / DecoderLayer / Attention, whether q and k are
 # RMS-normalised per head before RoPE), per family
@@ -86,25 +91,24 @@ class Norm:
 class Layer:
     input_norm: Norm
     post_norm: Norm
-    projections: tuple[PanelLinear, PanelLinear, PanelLinear]    # q, k, v
-    qkv: torch.Tensor | None        # their panels side by side (the modules hold views of it), or None:
-    qkv_bias: torch.Tensor | None   # widths not multiples of the panel, or bias on some only (three calls)
+    projections: tuple[PlannedLinear, PlannedLinear, PlannedLinear]    # q, k, v
+    qkv: MergedPanels | None        # their panels side by side (the modules hold views of it), or None:
+                                    # no panels in their plan, widths not multiples of the panel, or bias on some only
     q_norm: Norm | None             # Qwen3: RMSNorm over each head of q and k before RoPE
     k_norm: Norm | None
-    o_proj: PanelLinear
+    o_proj: PlannedLinear
     mlp: nn.Module                  # called as a module, unless:
-    gate_up: PanelLinear | None     # an fp32 GateUpMLP on panel linears: its three kernel calls made here
-    down: PanelLinear | None
+    gate_up: PlannedLinear | None   # an fp32 GateUpMLP on planned linears: its three kernel calls made here
+    down: PlannedLinear | None
     scale: float
 
 
 def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps | None,
-                linear: PanelKernel | None, max_model_len: int, sliding_window: int | None = None) -> str | None:
+                max_model_len: int, sliding_window: int | None = None) -> str | None:
     """Why this model, with these kernels in place (None: not in use), cannot take the loop, else None.
     sliding_window: the window some attention layer of the model applies (the caller reads it from
     the model's config), or None."""
-    missing = [name for name, k in (("cpu_attention", attention), ("cpu_fused", ops), ("cpu_linear", linear))
-               if k is None]
+    missing = [name for name, k in (("cpu_attention", attention), ("cpu_fused", ops)) if k is None]
     if missing:
         return f"the loop runs on our kernels, and {', '.join(missing)} is not in use"
     family = family_of(model)
@@ -119,11 +123,12 @@ def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps 
             return f"layer {i}: {type(layer).__name__} / {type(attn).__name__}, not the family's own"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [attn.q_norm, attn.k_norm] if family.qk_norm else []
-        if not all(type(p) is PanelLinear for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
-            return f"layer {i}: the attention's projections are not our panel linears"
-        multiple = ROPE_HEAD_MULTIPLE[linear.dtype]
-        if attn.head_dim % multiple:
-            return f"head size {attn.head_dim}: RoPE in {linear.dtype} takes multiples of {multiple}"
+        if not all(type(p) is PlannedLinear for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
+            return f"layer {i}: the attention's projections are not our planned linears (packed_linear is off)"
+        dtype = next(model.parameters()).dtype
+        multiple = ROPE_HEAD_MULTIPLE.get(dtype)
+        if multiple is None or attn.head_dim % multiple:
+            return f"head size {attn.head_dim}: RoPE in {dtype} takes fp32 or bf16, heads a multiple of {multiple}"
     if not all(type(n) is KernelRMSNorm for n in norms):
         return "not every RMSNorm is the fused kernel's"
     return None
@@ -133,13 +138,13 @@ class CpuDecoder:
     """The model's forward over the slot store as one loop of kernel calls (`unsupported()` first)."""
 
     def __init__(self, model: nn.Module, family: Family, cache: SlotKVCache, attention: CpuAttention,
-                 ops: FusedOps, linear: PanelKernel):
+                 ops: FusedOps):
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
         self.final_norm = Norm.of(model.model.norm)
         self.lm_head = model.lm_head
-        self.dtype = linear.dtype
-        self.cache, self.attention, self.ops, self.linear = cache, attention, ops, linear
+        self.dtype = next(model.parameters()).dtype
+        self.cache, self.attention, self.ops = cache, attention, ops
         self.layers = [self._layer(layer, family.qk_norm) for layer in model.model.layers]
         self.merged = sum(layer.qkv is not None for layer in self.layers)     # layers with one qkv call
 
@@ -148,40 +153,27 @@ class CpuDecoder:
     def _layer(layer: nn.Module, qk_norm: bool) -> Layer:
         attn = layer.self_attn
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        biases = [p.bias for p in projections]
-        qkv, bias = None, None
-        if all(p.out_features % PANEL == 0 for p in projections) and len({b is None for b in biases}) == 1:
-            # one weight stream for q, k and v: the modules keep views of the merged panels (no copy left)
-            qkv = torch.cat([p.panels for p in projections])
-            bias = None if biases[0] is None else torch.cat(biases)
-            at = 0
-            for p in projections:
-                p.panels = qkv[at:at + p.panels.shape[0]]
-                at += p.panels.shape[0]
         mlp = layer.mlp
-        panels = type(mlp) is GateUpMLP and type(mlp.gate_up_proj) is PanelLinear and type(mlp.down_proj) is PanelLinear
+        planned = (type(mlp) is GateUpMLP and type(mlp.gate_up_proj) is PlannedLinear
+                   and type(mlp.down_proj) is PlannedLinear)
         return Layer(input_norm=Norm.of(layer.input_layernorm), post_norm=Norm.of(layer.post_attention_layernorm),
-                     projections=projections, qkv=qkv, qkv_bias=bias,
+                     projections=projections, qkv=merge_panels(list(projections)),
                      q_norm=Norm.of(attn.q_norm) if qk_norm else None,
                      k_norm=Norm.of(attn.k_norm) if qk_norm else None,
-                     o_proj=attn.o_proj, mlp=mlp, gate_up=mlp.gate_up_proj if panels else None,
-                     down=mlp.down_proj if panels else None, scale=attn.scaling)
-
-    def _linear(self, x: torch.Tensor, linear: PanelLinear) -> torch.Tensor:
-        return self.linear.unchecked(x, linear.panels, linear.bias, linear.out_features)
+                     o_proj=attn.o_proj, mlp=mlp, gate_up=mlp.gate_up_proj if planned else None,
+                     down=mlp.down_proj if planned else None, scale=attn.scaling)
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.gate_up is None:
             return layer.mlp(h)
-        return self._linear(self.ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)
+        return layer.down.run(self.ops.silu_mul(layer.gate_up.run(h)))
 
-    def _qkv(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[tokens, width] each: column slices of one projection where merged."""
-        if layer.qkv is None:
-            return tuple(p(h) for p in layer.projections)
-        nq, nk, nv = (p.out_features for p in layer.projections)
-        out = self.linear.unchecked(h, layer.qkv, layer.qkv_bias, nq + nk + nv)
-        return out[:, :nq], out[:, nq:nq + nk], out[:, nq + nk:]
+    @staticmethod
+    def _qkv(layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[tokens, width] each: column slices of one projection where merged and panel-planned."""
+        if layer.qkv is not None and layer.qkv.covers(h.shape[0]):
+            return layer.qkv.run(h)
+        return tuple(p.run(h) for p in layer.projections)
 
     def _head_norm(self, x: torch.Tensor, norm: Norm, head_dim: int) -> torch.Tensor:
         tokens = x.shape[0]
@@ -207,20 +199,19 @@ class CpuDecoder:
             if i == last and logits == "none":
                 return None                   # the rest of the last layer feeds only the logits
             a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale, bits)
-            a = self._linear(a.to(self.dtype).view(a.shape[0], -1), layer.o_proj)
+            a = layer.o_proj.run(a.to(self.dtype).view(a.shape[0], -1))
             h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps)
             m = self._mlp(layer, h)
             norm = self.layers[i + 1].input_norm if i < last else self.final_norm
             h = ops.add_rms_norm(residual, m, norm.weight, norm.eps)
         if logits == "last":
             h = h[lay.row_ends]
-        return self.lm_head(h)
+        return self.lm_head.run(h) if type(self.lm_head) is PlannedLinear else self.lm_head(h)
 
 
 def policy(mode: str, model: nn.Module, cache: SlotKVCache, attention: CpuAttention | None,
-           ops: FusedOps | None, linear: PanelKernel | None, max_model_len: int,
-           sliding_window: int | None = None) -> CpuDecoder | None:
+           ops: FusedOps | None, max_model_len: int, sliding_window: int | None = None) -> CpuDecoder | None:
     """The loop a runner uses under its switch cpu_decoder = mode: auto (where `unsupported` says nothing),
     on (raises with its reason where not), off (None: the model's forward)."""
-    return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, linear, max_model_len, sliding_window),
-                  lambda: CpuDecoder(model, family_of(model), cache, attention, ops, linear))
+    return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, max_model_len, sliding_window),
+                  lambda: CpuDecoder(model, family_of(model), cache, attention, ops))

@@ -33,8 +33,15 @@ bf16 models (`models.dtype: auto` on CPUs with avx512_bf16) get the twin, csrc/p
 pair panels ([N/16, K/2, 16, 2]) and one VDPBF16PS per input pair, so a batch-1 step streams half
 the bytes; it builds only where the CPU has the instruction (elsewhere bf16 keeps oneDNN's linears).
 
-This module knows nothing about the engine: `panel_linears(model, kernel)` / `pack_linears(model)`
-swap modules in place.
+Which kernel runs where is measured, not assumed: neither wins everywhere, and where each wins
+moves from CPU to CPU (on an Intel Xeon with AMX, oneDNN's bf16 path takes AMX tiles from 16 rows and
+beats the panel kernel 3.6x at 64 rows, while the panel kernel is 1.5x faster at 1 to 4 rows).
+A `LinearPlan` names the kernel for each row count, and a `PlannedLinear` holds the weight in the
+layout of each kernel its plan uses and dispatches every call by its rows. calibrate.py times the
+candidates on the machine and writes the plans.
+
+This module knows nothing about the engine: `planned_linears(model, plans, kernel)` (and
+`panel_linears` / `pack_linears`, one kernel everywhere) swap modules in place.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .build import choose, load_checked
@@ -258,3 +266,189 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` of `model` by a PackedLinear, in place. Returns how many.
     The caller checks `can_pack` first."""
     return _swap_linears(model, PackedLinear)
+
+
+PANEL_KIND, ONEDNN, TORCH = "panel", "onednn", "torch"
+KINDS = (PANEL_KIND, ONEDNN, TORCH)     # our panel kernel | oneDNN's packed linear | torch's F.linear
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The kernel for each row count of one family of linears: `segments` ((last_rows, kind), ...) in
+    increasing last_rows; a call of M rows takes the first segment with M <= last_rows, and rows past
+    the last segment take its kind."""
+    segments: tuple[tuple[int, str], ...]
+
+    def __post_init__(self):
+        if not self.segments:
+            raise ValueError("a linear plan needs at least one segment")
+        limits = [last for last, _ in self.segments]
+        if limits != sorted(set(limits)) or any(kind not in KINDS for _, kind in self.segments):
+            raise ValueError(f"linear plan: segments must rise and name {KINDS}, got {self.segments}")
+
+    @classmethod
+    def single(cls, kind: str) -> "LinearPlan":
+        return cls(((1, kind),))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kernels this plan uses, each once, in row order."""
+        return tuple(dict.fromkeys(kind for _, kind in self.segments))
+
+    def kind(self, rows: int) -> str:
+        for last, kind in self.segments:
+            if rows <= last:
+                return kind
+        return self.segments[-1][1]
+
+    def last_rows(self, kind: str) -> int:
+        """The most rows `kind` takes before another kernel does (a large number where it runs to the end)."""
+        last = 0
+        for i, (limit, k) in enumerate(self.segments):
+            if k == kind:
+                last = limit if i < len(self.segments) - 1 else 1 << 62
+        return last
+
+    def describe(self) -> str:
+        """e.g. "panel<=4 onednn" (rows 1-4 our panel kernel, more oneDNN's)."""
+        merged: list[list] = []
+        for last, kind in self.segments:
+            if merged and merged[-1][1] == kind:
+                merged[-1][0] = last
+            else:
+                merged.append([last, kind])
+        return " ".join(f"{kind}<={last}" if i < len(merged) - 1 else kind for i, (last, kind) in enumerate(merged))
+
+
+class PlannedLinear(nn.Module):
+    """`nn.Linear` held in the layout of each kernel its `LinearPlan` uses (panels, oneDNN's packed
+    weight, the dense weight), each call run by the kernel its row count is planned for. The same
+    inputs give each kernel's own numbers (rounding-level apart, like any two linear kernels)."""
+
+    def __init__(self, linear: nn.Linear, plan: LinearPlan, kernel: PanelKernel | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.plan = plan
+        weight = linear.weight.detach()
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
+        if PANEL_KIND in plan.kinds:
+            if kernel is None or weight.dtype != kernel.dtype:
+                raise ValueError(f"panel linear: a {weight.dtype} weight needs a {weight.dtype} panel kernel")
+            self.register_buffer("panels", kernel.layout(weight), persistent=False)
+            self._kernel = kernel
+        if ONEDNN in plan.kinds:
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
+        if TORCH in plan.kinds:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        self._bind()
+
+    def _bind(self) -> None:
+        runs = {PANEL_KIND: self._run_panels, ONEDNN: self._run_packed, TORCH: self._run_dense}
+        self._limits = [last for last, _ in self.plan.segments[:-1]]
+        self._runs = [runs[kind] for _, kind in self.plan.segments]
+
+    def __getstate__(self):
+        """Copies and pickles carry oneDNN's packed weight as its dense tensor (its opaque layout has no
+        storage to copy) and are packed again on arrival, for the CPU they arrive on."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_runs", "_limits")}
+        if "packed_weight" in self._buffers:
+            state["_buffers"] = dict(self._buffers, packed_weight=self._buffers["packed_weight"].to_dense())
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "packed_weight" in self._buffers:
+            self._buffers["packed_weight"] = torch.ops.mkldnn._reorder_linear_weight(self._buffers["packed_weight"])
+        self._bind()
+
+    def _run_panels(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel.unchecked(x, self.panels, self.bias, self.out_features)
+
+    def _run_packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _run_dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """y for x [M, in_features] in the weight's dtype, no checks (the decoder loop's call)."""
+        rows = x.shape[0]
+        for limit, run in zip(self._limits, self._runs):
+            if rows <= limit:
+                return run(x)
+        return self._runs[-1](x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = (self.panels if hasattr(self, "panels") else self.packed_weight if hasattr(self, "packed_weight")
+                 else self.weight).dtype
+        if x.dtype != dtype or x.shape[-1] != self.in_features:
+            want = str(dtype).removeprefix("torch.")
+            raise ValueError(f"linear: expected [..., {self.in_features}] {want}, got {tuple(x.shape)} {x.dtype}")
+        y = self.run(x.reshape(-1, self.in_features))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"plan={self.plan.describe()!r}")
+
+
+@dataclass
+class MergedPanels:
+    """Several planned linears' panels side by side, for one call where their plans take the panel
+    kernel (the linears keep views of it: no second copy). Built by `merge_panels`."""
+    kernel: PanelKernel
+    panels: torch.Tensor
+    bias: torch.Tensor | None
+    widths: tuple[int, ...]
+    last_rows: int              # the most rows the panel kernel takes under the linears' plan
+
+    def covers(self, rows: int) -> bool:
+        return rows <= self.last_rows
+
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.kernel.unchecked(x, self.panels, self.bias, sum(self.widths))
+        return tuple(out.split(self.widths, dim=1))
+
+
+@torch.no_grad()
+def merge_panels(linears: list[PlannedLinear]) -> MergedPanels | None:
+    """One panel call for `linears` (same input; e.g. q, k and v), or None where they cannot share one:
+    no panel layout, unlike plans, widths not multiples of the panel, or bias on some only."""
+    plans = {linear.plan for linear in linears}
+    biases = [linear.bias for linear in linears]
+    if (len(plans) != 1 or PANEL_KIND not in linears[0].plan.kinds or len({b is None for b in biases}) != 1
+            or any(linear.out_features % PANEL for linear in linears)):
+        return None
+    panels = torch.cat([linear.panels for linear in linears])
+    at = 0
+    for linear in linears:
+        count = linear.panels.shape[0]
+        linear.panels = panels[at:at + count]
+        at += count
+    return MergedPanels(linears[0]._kernel, panels, None if biases[0] is None else torch.cat(biases),
+                        tuple(linear.out_features for linear in linears), linears[0].plan.last_rows(PANEL_KIND))
+
+
+FAMILY_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up",
+             "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}
+FAMILIES = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def family(name: str) -> str:
+    """The family a linear of this module path belongs to (its last name; others count as qkv's)."""
+    return FAMILY_OF.get(name.rpartition(".")[2], "qkv")
+
+
+def family_shapes(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
+    """(out, in) of every `nn.Linear` of `model` by family, in module order."""
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            shapes.setdefault(family(name), []).append((module.out_features, module.in_features))
+    return shapes
+
+
+def planned_linears(model: nn.Module, plans: dict[str, LinearPlan], kernel: PanelKernel | None) -> int:
+    """Replace every `nn.Linear` of `model` by a PlannedLinear under its family's plan, in place."""
+    names = {id(module): name for name, module in model.named_modules() if type(module) is nn.Linear}
+    return _swap_linears(model, lambda linear: PlannedLinear(linear, plans[family(names[id(linear)])], kernel))

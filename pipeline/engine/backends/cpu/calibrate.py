@@ -1,0 +1,319 @@
+"""The CPU linear plan by measurement: which kernel runs each family of a model's linears at each row
+count, timed on the machine the runner is on.
+
+Why: no table of CPU kinds stays true. Our panel kernel streams a weight at memory speed for a few
+rows; oneDNN's packed linear blocks for many rows and takes AMX tiles in bf16 where the CPU has
+them; torch's F.linear is the fallback. Where one overtakes another depends on the CPU (AVX2 only,
+AVX-512 with avx512_bf16, AMX), the dtype, the shapes and the threads: on an AMD EPYC the panel
+kernel is level with oneDNN up to 64 rows in fp32; on an Intel Xeon with AMX it loses 3.6x there in
+bf16 and wins 1.5x at one row. So a runner times the candidates on its own weights.
+
+The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.FAMILIES):
+  * the family's real weights, all its layers up to FAMILY_BYTES (so a pass streams from memory as a
+    forward does, not from a cache), in each candidate kernel's layout;
+  * x of M rows, M in BUCKETS (1 = batch-1 decoding; 5 = verifying 4 draft tokens; 64 x 1 = a step of
+    64 sequences; 256 and past: prefill chunks and large verify steps take the last bucket's kernel);
+  * per bucket one warm-up pass and REPEATS timed passes of each live candidate in turn (interleaved,
+    so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
+    best and losing ground as rows grow is not timed at larger buckets.
+`choose_plan` then takes, per bucket, the fastest kernel, and drops a kernel from the plan wherever
+the others stay within TOLERANCE of the best at every bucket (each kernel in a plan is a copy of the
+family's weights). Calls between two buckets take the larger bucket's kernel.
+
+The result is cached in the kernel cache folder (build.py), keyed by the CPU (model name and
+instruction-set flags), torch's version, the threads, the dtype, the model's linear shapes and the
+kernels on offer: the next start with the same key reads it in milliseconds. `describe` says what was
+chosen per bucket and which instructions each kernel runs on (oneDNN's own implementation name).
+
+This module knows nothing about the engine: it sees weights, kernels and a folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .build import _cache_dir, _cpu_flags
+from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PanelKernel
+
+VERSION = 1                              # of the measurement: a change here re-measures every cached plan
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REPEATS = 3
+TOLERANCE = 0.05                         # a kernel stays in a plan only where it is >5% faster than the rest
+DROP_RATIO = 2.5
+FAMILY_BYTES = 256 << 20
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8", "amx_fp16", "asimd", "sve", "bf16")
+
+Timings = dict[str, dict[int, float]]   # kind -> bucket -> ms for the whole family
+
+
+def choose_plan(times: Timings, tolerance: float = TOLERANCE) -> LinearPlan:
+    """The plan for one family from its timings: at each bucket the fastest kernel, then the fewest
+    kernels that keep every bucket within `tolerance` of its fastest (a kernel dropped is a copy of
+    the weights saved). A bucket a kernel was not timed at counts as a loss for it."""
+    buckets = sorted({b for per in times.values() for b in per})
+    if not buckets:
+        raise ValueError("no timings to choose a plan from")
+    best = {b: min(per[b] for per in times.values() if b in per) for b in buckets}
+
+    def time_of(kind: str, b: int) -> float:
+        return times[kind].get(b, math.inf)
+
+    kept = [k for k in KINDS if k in times and any(time_of(k, b) == best[b] for b in buckets)]
+    while len(kept) > 1:
+        # drop the kernel whose absence costs least, if every bucket stays within tolerance without it
+        costs = {}
+        for drop in kept:
+            rest = [k for k in kept if k != drop]
+            worst = max(min(time_of(k, b) for k in rest) / best[b] for b in buckets)
+            if worst <= 1 + tolerance:
+                costs[drop] = sum(math.log(min(time_of(k, b) for k in rest)) for b in buckets)
+        if not costs:
+            break
+        kept.remove(min(costs, key=costs.get))
+    segments = []
+    for b in buckets:
+        kind = min(kept, key=lambda k: time_of(k, b))
+        if segments and segments[-1][1] == kind:
+            segments[-1] = (b, kind)
+        else:
+            segments.append((b, kind))
+    return LinearPlan(tuple(segments)) if len(segments) > 1 else LinearPlan.single(segments[0][1])
+
+
+def single_plan(times: Timings) -> LinearPlan:
+    """One kernel for every row count: the one nearest the fastest over the buckets (geometric mean of
+    its ratio to each bucket's fastest), for where memory allows one copy of the weights only."""
+    buckets = sorted({b for per in times.values() for b in per})
+    best = {b: min(per[b] for per in times.values() if b in per) for b in buckets}
+    score = {k: sum(math.log(per.get(b, math.inf) / best[b]) for b in buckets) for k, per in times.items()}
+    return LinearPlan.single(min((k for k in KINDS if k in score), key=score.get))
+
+
+def machine() -> dict:
+    """What the timings depend on besides the model: the CPU, its instruction sets, torch, the threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    return {"cpu": cpu, "isa": sorted(flags & set(ISA_FLAGS)), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def cache_key(host: dict, dtype: torch.dtype, shapes: dict[str, list[tuple[int, int]]], kinds: tuple[str, ...]) -> str:
+    """16 hex digits naming one calibration: machine x dtype x the model's linear shapes x candidates."""
+    text = json.dumps({"version": VERSION, "machine": host, "dtype": str(dtype), "kinds": list(kinds),
+                       "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Calibration:
+    """The measured plans of one model on this machine."""
+    key: str
+    machine: dict
+    dtype: str
+    timings: dict[str, Timings]           # family -> kind -> bucket -> ms (the family's whole weights)
+    plans: dict[str, LinearPlan]
+    isa: dict[str, str]                   # kind -> the instructions it ran on
+    seconds: float                        # how long measuring took (when it was measured)
+    cached: bool = False
+    single: bool = False                  # one kernel per family (memory allowed no second copy)
+    family_bytes: dict[str, int] = field(default_factory=dict)
+
+    def extra_bytes(self) -> int:
+        """Memory the plans' second (and third) copies of weights take."""
+        return sum((len(self.plans[f].kinds) - 1) * self.family_bytes.get(f, 0) for f in self.plans)
+
+    def within(self, budget: int) -> "Calibration":
+        """These plans, or one kernel per family where their extra copies exceed `budget` bytes."""
+        if self.extra_bytes() <= budget:
+            return self
+        return Calibration(self.key, self.machine, self.dtype, self.timings,
+                           {f: single_plan(t) for f, t in self.timings.items()}, self.isa, self.seconds,
+                           self.cached, True, self.family_bytes)
+
+    def describe(self) -> str:
+        plans = {f: self.plans[f].describe() for f in FAMILIES if f in self.plans}
+        if len(set(plans.values())) == 1:
+            text = next(iter(plans.values()))
+        else:
+            text = ", ".join(f"{f}: {p}" for f, p in plans.items())
+        used = dict.fromkeys(k for p in self.plans.values() for k in p.kinds)
+        isa = "; ".join(f"{k} on {self.isa.get(k, '?')}" for k in used)
+        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        return f"{text} ({isa}; {how}{'; one kernel per family for memory' if self.single else ''})"
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "key": self.key, "machine": self.machine, "dtype": self.dtype,
+                "seconds": self.seconds, "isa": self.isa, "family_bytes": self.family_bytes,
+                "timings": {f: {k: {str(b): ms for b, ms in t.items()} for k, t in per.items()}
+                            for f, per in self.timings.items()},
+                "plans": {f: [list(s) for s in p.segments] for f, p in self.plans.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        if data.get("version") != VERSION:
+            raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
+        return cls(data["key"], data["machine"], data["dtype"],
+                   {f: {k: {int(b): float(ms) for b, ms in t.items()} for k, t in per.items()}
+                    for f, per in data["timings"].items()},
+                   {f: LinearPlan(tuple((int(last), kind) for last, kind in segs)) for f, segs in data["plans"].items()},
+                   data["isa"], float(data["seconds"]), cached=True, family_bytes=data.get("family_bytes", {}))
+
+
+def _runner(kind: str, weight: torch.Tensor, kernel: PanelKernel | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One weight in `kind`'s layout, as x -> x @ weight.T."""
+    n = weight.shape[0]
+    if kind == PANEL_KIND:
+        panels = kernel.layout(weight)
+        return lambda x: kernel.unchecked(x, panels, None, n)
+    if kind == ONEDNN:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: F.linear(x, weight)
+
+
+def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first weights of a family up to FAMILY_BYTES (at least one)."""
+    taken, size = [], 0
+    for w in weights:
+        if taken and size + w.numel() * w.element_size() > FAMILY_BYTES:
+            break
+        taken.append(w)
+        size += w.numel() * w.element_size()
+    return taken
+
+
+def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
+            buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS) -> dict[str, Timings]:
+    """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
+    them, scaled by count)."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, Timings] = {}
+    for fam, ws in weights.items():
+        sample = _sample(ws)
+        scale = len(ws) / len(sample)
+        dtype, k = sample[0].dtype, sample[0].shape[1]
+        x = (torch.randn(max(buckets), k, generator=gen) * 0.5).to(dtype)
+        fns = {kind: [_runner(kind, w, kernel) for w in sample] for kind in kinds}
+        times: Timings = {kind: {} for kind in kinds}
+        live, last_ratio = list(kinds), {}
+        for b in buckets:
+            rows = x[:b]
+            laps: dict[str, list[float]] = {kind: [] for kind in live}
+            for rep in range(repeats + 1):
+                for kind in live:
+                    t0 = time.perf_counter()
+                    for fn in fns[kind]:
+                        fn(rows)
+                    if rep:                                           # the first pass warms up
+                        laps[kind].append(time.perf_counter() - t0)
+            for kind in live:
+                times[kind][b] = sorted(laps[kind])[len(laps[kind]) // 2] * 1e3 * scale
+            fastest = min(times[kind][b] for kind in live)
+            for kind in list(live):
+                ratio = times[kind][b] / fastest
+                if ratio > DROP_RATIO and ratio > last_ratio.get(kind, math.inf) and len(live) > 1:
+                    live.remove(kind)
+                last_ratio[kind] = ratio
+        out[fam] = times
+        del fns
+    return out
+
+
+def onednn_implementation(dtype: torch.dtype, rows: int = 64, width: int = 256) -> str | None:
+    """The implementation oneDNN runs a packed linear of `rows` rows with (its verbose name, e.g.
+    brg_matmul:avx10_1_512_amx), read from its verbose log; None where it says nothing."""
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(width, width, dtype=dtype))
+    x = torch.zeros(rows, width, dtype=dtype)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    found = re.findall(r"onednn_verbose,(?:v1,)?(?:primitive,)?exec,cpu,inner_product,([^,]+),", text)
+    return found[-1] if found else None
+
+
+def instructions(kind: str, dtype: torch.dtype, host: dict) -> str:
+    """The instructions `kind` runs on here, in words."""
+    isa = set(host["isa"])
+    if kind == PANEL_KIND:
+        if dtype == torch.bfloat16:
+            return "avx512_bf16"
+        return "AVX-512 FMA" if "avx512f" in isa else "AVX2 FMA" if {"avx2", "fma"} <= isa else "the compiler's vectors"
+    if kind == ONEDNN:
+        small, large = onednn_implementation(dtype, 1), onednn_implementation(dtype, 64)
+        if large is None:
+            return "oneDNN"
+        tiles = " (AMX tiles)" if "amx" in large else ""
+        return f"{large}{tiles}" if small in (None, large) else f"{small} at 1 row, {large}{tiles} at 64"
+    return "torch's F.linear (oneDNN / MKL)"
+
+
+def plans_folder() -> Path:
+    path = _cache_dir() / "plans"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tuple[int, int]]],
+              kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None) -> Calibration:
+    """The plans for a model whose linears are `counts` (family -> (out, in) of each linear, in order)
+    and whose dense weights `weights` holds by family: read from `folder` (default: the kernel cache's
+    plans/) where this machine measured the same key, else measured now and written there."""
+    if not kinds:
+        raise ValueError("no linear kernel to calibrate")
+    dtype = next(iter(weights.values()))[0].dtype
+    host = machine()
+    key = cache_key(host, dtype, counts, kinds)
+    folder = folder or plans_folder()
+    path = folder / f"linear-plan-{key}.json"
+    try:
+        return Calibration.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure again
+        pass
+    t0 = time.perf_counter()
+    timings = measure(weights, kinds, kernel) if len(kinds) > 1 else {
+        f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
+    seconds = time.perf_counter() - t0
+    plans = {f: choose_plan(t) for f, t in timings.items()}
+    isa = {k: instructions(k, dtype, host) for k in dict.fromkeys(k for p in plans.values() for k in p.kinds)}
+    family_bytes = {f: sum(o * i for o, i in counts[f]) * torch.empty(0, dtype=dtype).element_size() for f in counts}
+    result = Calibration(key, host, str(dtype).removeprefix("torch."), timings, plans, isa, seconds,
+                         family_bytes=family_bytes)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+        os.replace(tmp, path)                     # atomic: workers calibrating at once leave one whole file
+    except OSError:
+        pass
+    return result

@@ -1,0 +1,175 @@
+"""The CPU linear plan by measurement (pipeline/engine/backends/cpu/calibrate.py): the choice from recorded
+timings (machines this project ran on), the rule that a plan is never more than the tolerance slower
+than the fastest kernel at any bucket, the memory fallback to one kernel, the cache and its key, the
+measuring loop's dropping of a kernel that falls behind, and the runner applying what was chosen."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_llama
+from pipeline.engine.backends.cpu import calibrate as cal
+from pipeline.engine.backends.cpu.linear import LinearPlan, PlannedLinear, can_pack, family
+from pipeline.engine.model.runner import build_runner
+
+# Recorded: every linear of SmolLM2-135M, ms per forward, 2 threads (bench/linear_kernels.py --weights smollm2).
+AMX_BF16 = {  # Intel Xeon with AMX (amx_bf16, avx512_bf16), bf16
+    "torch": {1: 41.3, 4: 39.7, 16: 28.5, 64: 62.6, 256: 158.6},
+    "onednn": {1: 29.2, 4: 31.9, 16: 19.1, 64: 45.8, 256: 125.0},
+    "panel": {1: 19.9, 4: 21.8, 16: 43.9, 64: 164.7, 256: 610.2}}
+AMX_FP32 = {  # the same machine, fp32
+    "torch": {1: 30.8, 4: 49.3, 16: 79.0, 64: 139.1, 256: 510.5},
+    "onednn": {1: 36.8, 4: 42.0, 16: 59.6, 64: 120.5, 256: 473.4},
+    "panel": {1: 36.0, 4: 34.9, 16: 72.7, 64: 228.3, 256: 917.3}}
+EPYC_FP32 = {  # AMD EPYC (AVX-512, no AMX), fp32: the panel kernel level with oneDNN up to 64 rows
+    "onednn": {1: 62.0, 4: 66.0, 16: 80.0, 64: 150.0, 256: 480.0},
+    "panel": {1: 30.0, 4: 33.0, 16: 52.0, 64: 149.0, 256: 585.0}}
+
+
+def test_choice_from_recorded_timings():
+    assert cal.choose_plan(AMX_BF16).describe() == "panel<=4 onednn"
+    # fp32 on the same box: F.linear wins 1 row by 15% over the panel kernel, which wins 4 rows by 17%,
+    # then oneDNN: three copies of the weights are worth it only where each gains > 5%
+    assert cal.choose_plan(AMX_FP32).describe() == "torch<=1 panel<=4 onednn"
+    assert cal.choose_plan(EPYC_FP32).describe() == "panel<=64 onednn"
+
+
+def test_a_kernel_within_tolerance_everywhere_is_not_kept():
+    """oneDNN 3% faster at 64 rows only: not worth a second copy of the weights."""
+    times = {"panel": {1: 10.0, 16: 20.0, 64: 50.0}, "onednn": {1: 14.0, 16: 25.0, 64: 48.5}}
+    assert cal.choose_plan(times) == LinearPlan.single("panel")
+    assert cal.choose_plan(times, tolerance=0.01).describe() == "panel<=16 onednn"
+
+
+def test_an_untimed_bucket_counts_as_a_loss():
+    """The panel kernel, dropped after 16 rows while measuring, is never chosen past them."""
+    times = {"panel": {1: 10.0, 16: 20.0}, "onednn": {1: 14.0, 16: 55.0, 64: 90.0, 256: 300.0}}
+    assert cal.choose_plan(times).describe() == "panel<=16 onednn"
+
+
+def test_never_slower_than_the_fastest_by_more_than_the_tolerance():
+    """Random timings (a fixed seed, so this is one fixed set of 500 cases): at every bucket the plan's
+    kernel is within the tolerance of the fastest, and every kernel kept wins somewhere by more."""
+    rng = random.Random(7)
+    buckets = cal.BUCKETS
+    for _ in range(500):
+        kinds = rng.sample(["panel", "onednn", "torch"], rng.randint(1, 3))
+        times = {k: {b: rng.uniform(0.5, 2.0) * b ** rng.uniform(0.1, 1.0) for b in buckets} for k in kinds}
+        plan = cal.choose_plan(times)
+        for b in buckets:
+            assert times[plan.kind(b)][b] <= (1 + cal.TOLERANCE) * min(t[b] for t in times.values()) + 1e-12
+        assert len(plan.kinds) == len(set(plan.kinds))
+
+
+def test_single_plan_and_the_memory_budget():
+    assert cal.single_plan(AMX_BF16) == LinearPlan.single("onednn")
+    assert cal.single_plan(EPYC_FP32) == LinearPlan.single("panel")
+    c = cal.Calibration("k", {}, "bfloat16", {"qkv": AMX_BF16, "down": EPYC_FP32},
+                        {"qkv": cal.choose_plan(AMX_BF16), "down": cal.choose_plan(EPYC_FP32)}, {}, 1.0,
+                        family_bytes={"qkv": 100, "down": 50})
+    assert c.extra_bytes() == 150
+    assert c.within(150) is c
+    tight = c.within(149)
+    assert tight.single and tight.plans == {"qkv": LinearPlan.single("onednn"), "down": LinearPlan.single("panel")}
+    assert "one kernel per family for memory" in tight.describe()
+
+
+HOST = {"cpu": "Some CPU", "isa": ["avx2", "fma"], "torch": "2.13.0", "threads": 2}
+SHAPES = {"qkv": [(64, 64)] * 4, "lm_head": [(400, 64)]}
+
+
+def test_the_cache_key_names_everything_the_timings_depend_on():
+    base = cal.cache_key(HOST, torch.float32, SHAPES, ("panel", "onednn"))
+    assert base == cal.cache_key(dict(HOST), torch.float32, dict(SHAPES), ("panel", "onednn"))
+    others = [cal.cache_key(dict(HOST, cpu="Other CPU"), torch.float32, SHAPES, ("panel", "onednn")),
+              cal.cache_key(dict(HOST, isa=["avx2", "fma", "amx_bf16"]), torch.float32, SHAPES, ("panel", "onednn")),
+              cal.cache_key(dict(HOST, torch="2.14.0"), torch.float32, SHAPES, ("panel", "onednn")),
+              cal.cache_key(dict(HOST, threads=4), torch.float32, SHAPES, ("panel", "onednn")),
+              cal.cache_key(HOST, torch.bfloat16, SHAPES, ("panel", "onednn")),
+              cal.cache_key(HOST, torch.float32, dict(SHAPES, qkv=[(64, 64)] * 5), ("panel", "onednn")),
+              cal.cache_key(HOST, torch.float32, dict(SHAPES, lm_head=[(401, 64)]), ("panel", "onednn")),
+              cal.cache_key(HOST, torch.float32, SHAPES, ("onednn", "torch"))]
+    assert len({base, *others}) == 1 + len(others)
+
+
+def _weights(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    weights = {f: [torch.randn(o, i, generator=gen).to(dtype) for o, i in s] for f, s in SHAPES.items()}
+    return weights
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="oneDNN not available in this torch build")
+def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    first = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
+    assert not first.cached and set(first.plans) == set(SHAPES)
+    for per in first.timings.values():
+        assert all(per[k][1] > 0 for k in ("onednn", "torch"))
+    files = list(tmp_path.glob("linear-plan-*.json"))
+    assert len(files) == 1
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(cal, "measure", no_measuring)
+    second = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
+    assert second.cached and second.plans == first.plans and second.timings == first.timings
+    assert "cached" in second.describe()
+    # a torn or older file is measured again (and rewritten)
+    monkeypatch.undo()
+    for text in ("{", json.dumps(dict(json.loads(files[0].read_text()), version=cal.VERSION - 1))):
+        files[0].write_text(text)
+        again = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
+        assert not again.cached
+        assert json.loads(files[0].read_text())["version"] == cal.VERSION
+
+
+def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
+    """Real measuring loop, kernels that cost known times: 'panel' 0.15 ms per row, 'onednn' 1 ms flat.
+    The panel kernel is timed until it is > 2.5x behind and losing ground (16 rows: 2.4 ms vs 1 ms,
+    32 rows: 4.8 ms), not past that; oneDNN at every bucket."""
+    import time
+
+    def fake(kind, weight, kernel):
+        cost = (lambda rows: 0.15e-3 * rows) if kind == "panel" else (lambda rows: 1e-3)
+
+        def run(x):
+            end = time.perf_counter() + cost(x.shape[0])
+            while time.perf_counter() < end:
+                pass
+        return run
+    monkeypatch.setattr(cal, "_runner", fake)
+    times = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=1)["qkv"]
+    assert sorted(times["onednn"]) == list(cal.BUCKETS)
+    assert max(times["panel"]) in (16, 32)
+    assert cal.choose_plan(times).describe() in ("panel<=4 onednn", "panel<=8 onednn")
+
+
+def test_the_runner_applies_the_measured_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    model = tiny_llama(seed=3)
+    names = {name.rpartition(".")[2] for name, m in model.named_modules() if type(m) is nn.Linear}
+    runner = build_runner(model, 2, 64)
+    calibration = runner.calibration
+    assert calibration is not None and not calibration.cached
+    planned = {name: m for name, m in runner.model.named_modules() if type(m) is PlannedLinear}
+    assert {n.rpartition(".")[2] for n in planned} >= names - {"gate_proj", "up_proj"}
+    for name, module in planned.items():
+        assert module.plan == calibration.plans[family(name)]
+    assert "measured in" in runner.plan.linear
+    again = build_runner(tiny_llama(seed=3), 2, 64)
+    assert again.calibration.cached and again.calibration.plans == calibration.plans
+    assert build_runner(tiny_llama(seed=3), 2, 64, cpu_linear="off").calibration is None
+
+
+def test_onednn_names_its_implementation():
+    if not can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN not available in this torch build")
+    host = cal.machine()
+    name = cal.onednn_implementation(torch.float32)
+    assert name is None or isinstance(name, str)
+    if "amx_bf16" in host["isa"] and can_pack(torch.device("cpu"), torch.bfloat16):
+        assert "amx" in cal.onednn_implementation(torch.bfloat16, 64)
+        assert "AMX tiles" in cal.instructions("onednn", torch.bfloat16, host)
