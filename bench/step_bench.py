@@ -13,7 +13,8 @@ per mode. The KV contents are whatever the store holds: the cost does not depend
 
     .venv/bin/python -m bench.step_bench --threads 2 --sweep 16,32,64,128,256 --q 1 --max-model-len 512
 
---linears panel,onednn: each mode with our linear kernel and with oneDNN's packed weights.
+--linears panel,onednn,auto: each mode with our linear kernel, with oneDNN's packed weights, and with
+the plan measured on this machine (calibrate.py: by rows, whichever is faster).
 
 --sweep: running sequences (rows of ~300 context tokens) per step instead of the workloads, with
 tokens/s = rows x q / step time: where more running sequences stop paying (engine.max_num_seqs).
@@ -66,7 +67,7 @@ def main() -> None:
     ap.add_argument("--modes", default="cpu,off,on,auto",
                     help="cpu: our CPU kernel (Kernels.cpu_attention); off/on/auto: engine.compile with it off")
     ap.add_argument("--linears", default="panel",
-                    help="panel: our CPU linear kernel (Kernels.cpu_linear); onednn: oneDNN-packed weights")
+                    help="panel: our CPU linear kernel everywhere; onednn: oneDNN-packed weights; auto: the measured plan")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--sweep", default="", help="comma-separated row counts (see the docstring)")
     args = ap.parse_args()
@@ -82,7 +83,8 @@ def main() -> None:
         runner = build_runner(model, max(len(WORKLOADS[w]) for w in args.workloads.split(",")),
                              args.max_model_len, compile="off" if mode == "cpu" else mode,
                              cpu_attention="on" if mode == "cpu" else "off",
-                             cpu_linear="on" if linear == "panel" else "off")
+                             cpu_linear={"panel": "on", "onednn": "off", "auto": "auto"}[linear])
+        print(f"linear={linear}: {runner.plan.describe()}")
         medians = {}
         for name in args.workloads.split(","):
             contexts = WORKLOADS[name]
