@@ -80,20 +80,27 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
     eos = eos_ids(target, tokenizer)
     engine = assemble_engine(target, draft, drafting, engine_cfg, kernels, eos,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos))
+                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos),
+                             fit_slots=slots_reason is not None)
+    if slots_reason is not None and engine.target.slots_reason is not None:
+        slots_reason = f"{slots_reason}; {engine.target.slots_reason}"
     return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype, slots_reason)
 
 
 def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineConfig, kernels: Kernels | None = None,
-                    eos: list[int] = (), decode=None, grammars: Grammars | None = None) -> SpecEngine:
+                    eos: list[int] = (), decode=None, grammars: Grammars | None = None,
+                    fit_slots: bool = False) -> SpecEngine:
     """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
     None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
-    must be resolved."""
+    must be resolved; fit_slots: it is an upper bound, and on CPU the target's runner keeps the
+    sequences up to where its tokens/s stops rising (ModelRunner.fit_slots), which the draft follows."""
     if drafting.uses_draft_model != (draft is not None):
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))
-    drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     runner = ModelRunner(target, engine_cfg, kernels)
+    if fit_slots and runner.device.type == "cpu":
+        engine_cfg = replace(engine_cfg, max_num_seqs=runner.fit_slots()[0])
+    drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     if drafting.free_method is not None:
         free = free_drafter(drafting, drafting.free_method, runner.device)
         drafter = HybridDrafter(free, drafter) if drafter is not None else free

@@ -10,6 +10,7 @@ This module knows nothing about requests, drafting or sampling.
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import replace
 
 import torch
@@ -29,7 +30,7 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import MEMORY_SHARE, choose_max_num_seqs, free_memory
+from .slots import MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, probe_rows
 
 
 def cache_kwarg(model) -> str:
@@ -55,8 +56,10 @@ class ModelRunner:
         self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.max_model_len = max_model_len = config.max_model_len
         self.slots_reason = None
-        if config.max_num_seqs == AUTO:
-            config = replace(config, max_num_seqs=choose_max_num_seqs([model], max_model_len)[0])
+        auto = config.max_num_seqs == AUTO
+        if auto:
+            n, self.slots_reason = choose_max_num_seqs([model], max_model_len)
+            config = replace(config, max_num_seqs=n)
         self.num_slots = num_slots = config.max_num_seqs
         chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
@@ -65,9 +68,10 @@ class ModelRunner:
         # CUDA graphs: their pad rows and tokens need one spare slot and a few positions past max_model_len
         store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
-        self.cache = SlotKVCache(cfg.num_hidden_layers, store_slots, cfg.num_key_value_heads,
-                                 capacity(store_len) if self.flex else store_len,
-                                 head_size, self.dtype, self.device)
+        self._store = lambda slots: SlotKVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads,
+                                                capacity(store_len) if self.flex else store_len,
+                                                head_size, self.dtype, self.device)
+        self.cache = self._store(store_slots)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
         self.kernels = kernels
@@ -78,6 +82,43 @@ class ModelRunner:
                                   self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None)
                        if chosen.graphs and self.decoder is None and self.cpu_attention is None else None)
         self.plan = self._plan(chosen)
+        if auto and self.device.type == "cpu":
+            self.fit_slots()
+
+    def fit_slots(self, repeats: int = 2) -> tuple[int, str]:
+        """Keep the slots up to where plain decoding's tokens/s stops rising here (slots.py), measured
+        on this runner: steps of 1, 2, 4, ... rows of one token at a typical context, stopping at the
+        knee. Shrinks the store to that many slots. Only before any sequence holds a slot (the steps
+        write scratch KV); not with step graphs (they hold the store). Returns (slots, why)."""
+        if self.graphs is not None:
+            return self.num_slots, "kept: step graphs hold the store"
+        context = min(self.max_model_len // 2, 384)
+        rates: list[tuple[int, float]] = []
+        for rows in probe_rows(self.num_slots):
+            rates.append((rows, self._decode_rate(rows, context, repeats)))
+            if knee(rates) < rows:
+                break
+        n = knee(rates)
+        self.num_forward_tokens = 0
+        if n < self.num_slots:
+            self.cache = self._store(n)
+            if self.decoder is not None:
+                self.decoder.cache = self.cache
+            self.num_slots = n
+        shown = ", ".join(f"{r}: {t:.0f}" for r, t in rates)
+        why = f"measured tokens/s of plain steps by rows at context {context} ({shown}): {n} before the knee"
+        self.slots_reason = why if self.slots_reason is None else f"{self.slots_reason}; {why}"
+        return n, why
+
+    def _decode_rate(self, rows: int, context: int, repeats: int) -> float:
+        """Tokens/s of a plain decoding step of `rows` rows at `context` (median of `repeats` after a warm-up)."""
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            self.forward(list(range(rows)), [context] * rows, [[0]] * rows, logits="last")
+            self.synchronize()
+            times.append(time.perf_counter() - t0)
+        return rows / sorted(times[1:])[len(times[1:]) // 2]
 
     def _apply(self, model, chosen: Backends, kernels: Kernels) -> None:
         """Apply the chosen kernels to the model, in place, in the order they depend on each other."""

@@ -1,22 +1,28 @@
 """How many sequences run at once when `engine.max_num_seqs` is auto.
 
-The count is the most the device runs well (measured: on a 2-core CPU, SmolLM2-135M fp32 with 64
-prompts at once reaches 0.93x of vLLM-CPU's tokens/s at 64 running sequences and 0.68x at 32;
-bench/RESULTS.md, "End to end"), bounded by the KV memory: every slot of every model holds
-max_model_len positions of keys and values, and the stores may take a share of the memory free now.
+Bounded by the KV memory first: every slot of every model holds max_model_len positions of keys and
+values, and the stores may take a share of the memory free now. Within that, on CPU, by measurement:
+the target's runner times plain decoding steps of 1, 2, 4, ... rows (one token each, at a typical
+context, so attention reads count) and keeps the rows where a step's tokens/s stops rising: the
+first row count r whose double gains less than KNEE_GAIN (ModelRunner.fit_slots). Past that, more
+sequences at once only add latency and memory. Where the whole range keeps rising, the memory bound
+(or PROBE_ROWS) stays. On CUDA the count is BEST (its step is far from the knee at any batch a
+store fits).
 
 It knows nothing about requests or drafting.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from .hf_config import head_dim, text_config
 
-BEST = {"cpu": 64, "cuda": 256}        # running sequences the device is measured / expected to run best at
+BEST = {"cpu": 256, "cuda": 256}       # CPU: the most rows the measurement tries; CUDA: the count taken
 MEMORY_SHARE = {"cpu": 0.25, "cuda": 0.5}   # of the memory free now, for the KV stores
+KNEE_GAIN = 1.1                        # doubling the rows must gain 10% tokens/s to be worth its latency
 
 
 def most_max_num_seqs(max_num_seqs, device: str) -> int:
@@ -51,5 +57,21 @@ def choose_max_num_seqs(models: list, max_model_len: int) -> tuple[int, str]:
     fits = max(1, budget // per_seq)
     n = min(BEST[kind], fits)
     why = (f"auto: {per_seq / 2**20:.0f} MiB of KV per sequence, {fits} fit in "
-           f"{MEMORY_SHARE[kind]:.0%} of the free {kind} memory; {BEST[kind]} run best on {kind}")
+           f"{MEMORY_SHARE[kind]:.0%} of the free {kind} memory; "
+           + ("tokens/s measured up to " if kind == "cpu" else "") + f"{BEST[kind]} on {kind}")
     return n, why
+
+
+def knee(rates: list[tuple[int, float]], gain: float = KNEE_GAIN) -> int:
+    """The rows to run from (rows, tokens/s) in increasing rows: the first whose next measured count
+    gains less than `gain` (times its rows ratio's share: 2x rows must give gain x tokens/s), else the last."""
+    for (rows, rate), (more, faster) in zip(rates, rates[1:]):
+        if faster < rate * gain ** math.log2(more / rows):
+            return rows
+    return rates[-1][0]
+
+
+def probe_rows(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`, and `limit` itself."""
+    rows = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
+    return rows + [limit]

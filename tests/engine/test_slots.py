@@ -1,0 +1,62 @@
+"""`engine.max_num_seqs: auto` on CPU (pipeline/engine/model/slots.py, ModelRunner.fit_slots): the knee
+from recorded tokens/s curves, and the runner keeping the slots up to it (its store shrunk, the loop
+over the new store, greedy output still Hugging Face's), with the memory bound above it."""
+from __future__ import annotations
+
+from conftest import greedy_reference, mixed_prompts, run_requests, tiny_llama
+from pipeline.engine import EngineConfig, SamplingParams, SpecEngine
+from pipeline.engine.model import slots
+from pipeline.engine.model.runner import ModelRunner
+
+# Recorded: SmolLM2-135M bf16, 2 threads, plain steps at context ~330 (bench.step_bench --sweep), Intel
+# Xeon with AMX, the measured linear plan: tokens/s by rows
+AMX_BF16 = [(1, 39.9), (2, 70.0), (4, 128.2), (8, 190.0), (16, 260.9), (32, 380.0), (64, 509.0), (128, 540.0),
+            (256, 545.0)]
+
+
+def test_knee_from_recorded_rates():
+    assert slots.knee(AMX_BF16) == 64                   # 128 rows: +6% over 64
+    assert slots.knee(AMX_BF16, gain=1.05) == 128
+    assert slots.knee([(1, 10.0), (2, 19.0), (4, 37.0)]) == 4          # still rising: the last
+    assert slots.knee([(1, 10.0), (2, 10.5)]) == 1
+    assert slots.knee([(1, 10.0), (4, 11.9), (8, 12.0)]) == 1          # 4x rows must gain 1.1^2
+    assert slots.knee([(1, 10.0), (4, 12.2), (8, 12.3)]) == 4
+
+
+def test_probe_rows():
+    assert slots.probe_rows(1) == [1]
+    assert slots.probe_rows(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert slots.probe_rows(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_the_runner_keeps_the_slots_up_to_the_knee(target_model, monkeypatch):
+    """A machine whose tokens/s stops rising past 8 rows (the curve given; the rest is the runner's):
+    the store shrinks to 8 slots, larger row counts are not timed, and the engine on it still decodes
+    as Hugging Face does."""
+    timed = []
+
+    def curve(self, rows, context, repeats):
+        timed.append(rows)
+        return {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 62.0}.get(rows, 63.0)
+    monkeypatch.setattr(ModelRunner, "_decode_rate", curve)
+    monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
+    runner = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert timed == [1, 2, 4, 8, 16]
+    assert runner.num_slots == 8 and runner.cache.num_slots == 8 and runner.cache.keys[0].shape[0] == 8
+    assert runner.decoder is None or runner.decoder.cache is runner.cache
+    assert "8 before the knee" in runner.slots_reason and "KV per sequence" in runner.slots_reason
+    engine = SpecEngine(runner, None, EngineConfig(max_num_seqs=8, max_model_len=256))
+    prompts = mixed_prompts(10, 512, seed=4)
+    done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 6), f"prompt {i}"
+
+
+def test_memory_bounds_the_measurement(monkeypatch):
+    """Memory for 3 slots only: 1, 2 and 3 rows are timed, never more."""
+    timed = []
+    monkeypatch.setattr(ModelRunner, "_decode_rate", lambda self, rows, c, r: timed.append(rows) or 10.0 * rows)
+    model = tiny_llama()
+    monkeypatch.setattr(slots, "free_memory", lambda device: 4 * 3 * slots.slot_bytes(model, 256) + 1)
+    runner = ModelRunner(model, EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert timed == [1, 2, 3] and runner.num_slots == 3
