@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
-def suite(model: str, n_all: int, n_b1: int, all_seqs: int = 32, compile: str = "auto",
+def suite(model: str, n_all: int, n_b1: int, all_seqs: int | str = 32, compile: str = "auto",
           cpu_linear: str = "auto", cpu_fused: str = "auto", cpu_decoder: str = "auto",
           prefix_cache: str = "on") -> list[dict]:
     """(name, prompts slice, run_one args or vllm args). `ref` marks the reference of each group.
@@ -195,7 +195,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="every system runs in this dtype; auto: what "
                     "pipeline/loading/hardware.py picks for this machine's CPU (resolved once, here)")
-    ap.add_argument("--all-seqs", type=int, default=32, help="our max_num_seqs in the all-at-once configurations")
+    ap.add_argument("--all-seqs", type=lambda v: v if v == "auto" else int(v), default=32,
+                    help="our max_num_seqs in the all-at-once configurations (an integer, or auto: measured)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="our engine.compile")
     ap.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
                     help="our Kernels.cpu_linear switch (off: oneDNN-packed linears)")

@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument("--hybrid-proposer", default="ngram", choices=["ngram", "suffix"],
                     help="hybrid's free first part (drafting.hybrid_proposer)")
     ap.add_argument("--calibrate", action="store_true", help="measure cost curves (for the speedup model)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=lambda v: v if v == "auto" else int(v), default=16,
+                    help="engine: max_num_seqs (an integer or auto); HF static: the batch size")
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)

@@ -34,14 +34,15 @@ def _switch(value):
 @dataclass
 class EngineConfig:
     max_num_seqs: Any = AUTO         # running sequences at most (= KV slots per model): an integer >= 1, or
-                                     # auto (from the KV memory a slot needs and what the device runs best;
-                                     # model/slots.py, printed when chosen)
+                                     # auto (bounded by the KV memory a slot needs; on CPU then where a
+                                     # step's tokens/s stops rising, measured; model/slots.py, printed)
     max_model_len: int = 2048        # prompt + output tokens per sequence (KV positions per slot)
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
     prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds
                                      # (a running or just-finished sequence's prompt) instead of computing it
-    kernels: str = "auto"            # auto: our CPU kernels where they build (attention, linears, fused
-                                     # norm/MLP, the decoder loop) | torch: torch's own kernels only
+    kernels: str = "auto"            # auto: our CPU kernels where they build (attention, fused norm/MLP,
+                                     # the decoder loop; linears on the kernel measured fastest per row
+                                     # count, backends/cpu/calibrate.py) | torch: torch's own kernels only
     compile: str = "auto"            # compiled FlexAttention over the slot store: auto (where inductor can
                                      # compile, on steps where it is the cheaper kernel) | on | off
     cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs: auto (on CUDA) | on | off

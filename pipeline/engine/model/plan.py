@@ -4,7 +4,8 @@
 Below them, `Kernels` holds one switch per kernel (auto | on | off): the seams tests and benchmarks
 use to force a path; a job never sets them. `choose_backends` turns both into the kernels a runner
 loads; the runner applies them to its model and records what runs as a `BackendPlan`, which the job
-summary and the benchmarks print.
+summary and the benchmarks print. Which linear kernel runs at which row count is not a table here:
+under cpu_linear=auto the runner times the candidates on its own weights (backends/cpu/calibrate.py).
 
 It knows nothing about requests, drafting or sampling.
 """
@@ -96,7 +97,8 @@ def choose_backends(config: EngineConfig, kernels: Kernels, device: torch.device
 @dataclass(frozen=True)
 class BackendPlan:
     """What runs one model's forward, as applied."""
-    attention: str      # cpu-kernel | flex | flex-where-cheaper | sdpa
+    attention: str      # cpu-kernel (with its measured plan: where prompt rows take torch's flash
+                        # attention) | flex | flex-where-cheaper | sdpa
     linear: str         # the measured plan per row count (calibrate.py) | panel-<dtype> | onednn-packed |
                         # planned: <plan> (forced) | torch
     norms: str          # fused | modules

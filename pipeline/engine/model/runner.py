@@ -17,7 +17,8 @@ import torch
 
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse
-from ..backends.cpu.calibrate import Calibration, calibrate
+from ..backends.cpu.attention import RowAttention
+from ..backends.cpu.calibrate import Calibration, calibrate, calibrate_attention
 from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_shapes,
                                    planned_linears)
 from ..backends.cpu.linear import family as family_of_linear
@@ -65,6 +66,13 @@ class ModelRunner:
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
         # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
         self.flex, self.cpu_attention = chosen.flex, chosen.attention
+        # auto: prompt rows long enough go to torch's flash attention where that measured faster here
+        self.attention_plan = None
+        if self.cpu_attention is not None and kernels.cpu_attention == "auto":
+            self.attention_plan = calibrate_attention(self.cpu_attention, cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, head_size, self.dtype)
+            if self.attention_plan.sdpa_from is not None:
+                self.cpu_attention = RowAttention(self.cpu_attention, self.attention_plan.sdpa_from)
         # CUDA graphs: their pad rows and tokens need one spare slot and a few positions past max_model_len
         store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
@@ -172,7 +180,8 @@ class ModelRunner:
         return self.calibration.plans
 
     def _plan(self, chosen: Backends) -> BackendPlan:
-        attention = ("cpu-kernel" if self.cpu_attention is not None else
+        attention = (self.attention_plan.describe() if self.attention_plan is not None else
+                     "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
         forced = self.kernels.linear_plan
         linear = ("torch" if not self.planned else self.calibration.describe() if self.calibration is not None

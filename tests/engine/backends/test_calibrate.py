@@ -173,3 +173,64 @@ def test_onednn_names_its_implementation():
     if "amx_bf16" in host["isa"] and can_pack(torch.device("cpu"), torch.bfloat16):
         assert "amx" in cal.onednn_implementation(torch.bfloat16, 64)
         assert "AMX tiles" in cal.instructions("onednn", torch.bfloat16, host)
+
+
+def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
+    """Two processes calibrating the same key at once (forked, as Ray workers on one machine start):
+    one measures, the other waits for its file and reads it."""
+    import multiprocessing
+    import time
+    log = tmp_path / "measured"
+
+    def slow_measure(weights, kinds, kernel, *a, **k):
+        with open(log, "a") as f:
+            f.write("x")
+        time.sleep(0.5)
+        return {fam: {kind: {1: 1.0 + i} for i, kind in enumerate(kinds)} for fam in weights}
+    monkeypatch.setattr(cal, "measure", slow_measure)
+
+    def work():
+        cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path / "plans")
+    (tmp_path / "plans").mkdir()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=work) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert log.read_text() == "x"
+    assert cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path / "plans").cached
+
+
+# Recorded: one prompt row of SmolLM2's attention (9 heads, 3 KV heads, 64 dims), ms, 2 threads, Intel Xeon with AMX
+AMX_ATTENTION = {"bfloat16": {16: {"kernel": 0.04, "sdpa": 0.05}, 64: {"kernel": 0.149, "sdpa": 0.127},
+                              256: {"kernel": 1.19, "sdpa": 0.523}, 512: {"kernel": 4.02, "sdpa": 1.66}},
+                 "float32": {16: {"kernel": 0.03, "sdpa": 0.05}, 64: {"kernel": 0.090, "sdpa": 0.131},
+                             256: {"kernel": 1.04, "sdpa": 1.24}, 512: {"kernel": 3.61, "sdpa": 4.19}}}
+
+
+def test_where_prompt_rows_take_sdpa():
+    assert cal.choose_sdpa_from(AMX_ATTENTION["bfloat16"]) == 64
+    assert cal.choose_sdpa_from(AMX_ATTENTION["float32"]) is None
+    # faster only at one middle length: not chosen (the longest rows would lose)
+    assert cal.choose_sdpa_from({16: {"kernel": 1, "sdpa": 2}, 64: {"kernel": 2, "sdpa": 1},
+                                 256: {"kernel": 3, "sdpa": 4}}) is None
+    assert cal.choose_sdpa_from({64: {"kernel": 1.0, "sdpa": 0.97}, 256: {"kernel": 2.0, "sdpa": 1.0}}) == 256
+
+
+@pytest.mark.needs_cc
+def test_attention_plan_measured_cached_and_applied(tmp_path, monkeypatch):
+    from pipeline.engine.backends.cpu.attention import RowAttention, kernel
+    first = cal.calibrate_attention(kernel(), 4, 2, 16, torch.float32, tmp_path)
+    assert not first.cached and set(first.timings) == set(cal.ATTENTION_ROWS)
+    assert first.sdpa_from == cal.choose_sdpa_from(first.timings)
+    again = cal.calibrate_attention(kernel(), 4, 2, 16, torch.float32, tmp_path)
+    assert again.cached and again.sdpa_from == first.sdpa_from
+    # the runner: its attention is the plan's (RowAttention where SDPA takes some rows)
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.setattr(cal, "measure_attention", lambda *a, **k: AMX_ATTENTION["bfloat16"])
+    runner = build_runner(tiny_llama(seed=3), 2, 64)
+    assert isinstance(runner.cpu_attention, RowAttention) and runner.cpu_attention.sdpa_from == 64
+    assert "flash attention for rows of >= 64" in runner.plan.attention
+    assert not isinstance(build_runner(tiny_llama(seed=3), 2, 64, cpu_attention="on").cpu_attention, RowAttention)

@@ -159,3 +159,23 @@ def test_modes():
         cpu_attention.policy("on", cpu, torch.float32, 20)
     with pytest.raises(ValueError, match="cpu_attention"):
         cpu_attention.policy("maybe", cpu, torch.float32, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_splits_rows_between_the_kernels(dtype):
+    """Rows of >= 8 new tokens through SDPA (from position 0: causal; from later positions: a mask over
+    the stored keys), shorter ones through our kernel, tree bits through ours alone: all as the reference."""
+    from pipeline.engine.backends.cpu.attention import RowAttention, kernel, reference
+    gen = torch.Generator().manual_seed(5)
+    k_store = torch.randn(4, 2, 64, 16, generator=gen).to(dtype)
+    v_store = torch.randn(4, 2, 64, 16, generator=gen).to(dtype)
+    slots, starts, num_new = [2, 0, 3, 1], [0, 20, 30, 5], [12, 1, 9, 3]
+    firsts = [0, 12, 13, 22]
+    table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
+    query = torch.randn(sum(num_new), 6, 16, generator=gen).to(dtype)
+    split = RowAttention(kernel(), 8)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for t in (table, table[:, [0, 2]].contiguous(), table[:, [1, 3]].contiguous()):  # mixed, all long, all short
+        got, want = split(query, k_store, v_store, t, 0.25), reference(query, k_store, v_store, t, 0.25)
+        for slot, start, n, first in t.T.tolist():
+            torch.testing.assert_close(got[first:first + n].float(), want[first:first + n].float(), rtol=tol, atol=tol)

@@ -187,3 +187,17 @@ def test_unsupported_names_the_missing_kernels():
     model = _model("llama", torch.float32)
     why = cpu_decoder.unsupported(model, None, None, 64)
     assert "cpu_attention, cpu_fused is not in use" in why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.avx512_bf16)])
+def test_loop_over_row_attention_is_bitwise_the_modules(tmp_path, monkeypatch, dtype):
+    """Where prompt rows of >= 16 new tokens take torch's SDPA (the plan's RowAttention, here set by
+    recorded timings): the loop and the modules still compute the same; the steps' 40-token chunk
+    goes through SDPA."""
+    from pipeline.engine.backends.cpu import attention as cpu_attention, calibrate
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    timings = {16: {"kernel": 2.0, "sdpa": 1.0}, 64: {"kernel": 4.0, "sdpa": 1.0}}
+    monkeypatch.setattr(calibrate, "measure_attention", lambda *a, **k: timings)
+    loop, modules = _pair(_model("llama", dtype))
+    assert isinstance(loop.cpu_attention, cpu_attention.RowAttention) and loop.cpu_attention.sdpa_from == 16
+    _assert_same(loop, modules)

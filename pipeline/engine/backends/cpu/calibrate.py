@@ -29,6 +29,7 @@ This module knows nothing about the engine: it sees weights, kernels and a folde
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -284,6 +285,30 @@ def plans_folder() -> Path:
     return path
 
 
+def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
+            measure: Callable[[], tuple[object, dict]]):
+    """`load` of the file `name-key.json` in `folder` where this machine wrote one, else the result of
+    `measure` (result, its JSON), written there. Workers starting together on one machine: one
+    measures (timings taken side by side would be each other's noise) while the others wait on the
+    lock, then read its file."""
+    path = folder / f"{name}-{key}.json"
+    with open(folder / f"{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return load(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure
+            pass
+        result, data = measure()
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)                 # atomic: a reader on another machine sees a whole file or none
+        except OSError:
+            pass
+        return result
+
+
 def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tuple[int, int]]],
               kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None) -> Calibration:
     """The plans for a model whose linears are `counts` (family -> (out, in) of each linear, in order)
@@ -294,26 +319,98 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
     dtype = next(iter(weights.values()))[0].dtype
     host = machine()
     key = cache_key(host, dtype, counts, kinds)
-    folder = folder or plans_folder()
-    path = folder / f"linear-plan-{key}.json"
-    try:
-        return Calibration.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure again
-        pass
-    t0 = time.perf_counter()
-    timings = measure(weights, kinds, kernel) if len(kinds) > 1 else {
-        f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
-    seconds = time.perf_counter() - t0
-    plans = {f: choose_plan(t) for f, t in timings.items()}
-    isa = {k: instructions(k, dtype, host) for k in dict.fromkeys(k for p in plans.values() for k in p.kinds)}
-    family_bytes = {f: sum(o * i for o, i in counts[f]) * torch.empty(0, dtype=dtype).element_size() for f in counts}
-    result = Calibration(key, host, str(dtype).removeprefix("torch."), timings, plans, isa, seconds,
-                         family_bytes=family_bytes)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
-        os.replace(tmp, path)                     # atomic: workers calibrating at once leave one whole file
-    except OSError:
-        pass
-    return result
+
+    def measured() -> tuple[Calibration, dict]:
+        t0 = time.perf_counter()
+        timings = measure(weights, kinds, kernel) if len(kinds) > 1 else {
+            f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
+        seconds = time.perf_counter() - t0
+        plans = {f: choose_plan(t) for f, t in timings.items()}
+        isa = {k: instructions(k, dtype, host) for k in dict.fromkeys(k for p in plans.values() for k in p.kinds)}
+        size = torch.empty(0, dtype=dtype).element_size()
+        family_bytes = {f: sum(o * i for o, i in counts[f]) * size for f in counts}
+        result = Calibration(key, host, str(dtype).removeprefix("torch."), timings, plans, isa, seconds,
+                             family_bytes=family_bytes)
+        return result, result.to_json()
+    return _cached(folder or plans_folder(), "linear-plan", key, Calibration.from_json, measured)
+
+
+ATTENTION_ROWS = (16, 64, 256, 512)     # new tokens of one prompt row, from position 0
+
+
+@dataclass
+class AttentionPlan:
+    """Where rows go to torch's flash attention instead of our kernel, as measured."""
+    key: str
+    timings: dict[int, dict[str, float]]       # new tokens -> {"kernel": ms, "sdpa": ms}
+    sdpa_from: int | None                      # rows of at least this many new tokens: SDPA; None: ours only
+    seconds: float
+    cached: bool = False
+
+    def describe(self) -> str:
+        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        if self.sdpa_from is None:
+            return f"cpu-kernel ({how})"
+        return f"cpu-kernel, torch's flash attention for rows of >= {self.sdpa_from} new tokens ({how})"
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "key": self.key, "seconds": self.seconds, "sdpa_from": self.sdpa_from,
+                "timings": {str(n): t for n, t in self.timings.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AttentionPlan":
+        if data.get("version") != VERSION:
+            raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
+        return cls(data["key"], {int(n): {k: float(v) for k, v in t.items()} for n, t in data["timings"].items()},
+                   data["sdpa_from"], float(data["seconds"]), cached=True)
+
+
+def choose_sdpa_from(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> int | None:
+    """The fewest new tokens from which SDPA beats our kernel by more than `tolerance` at that row
+    length and at every longer one measured; None where it does not at the longest."""
+    chosen = None
+    for n in sorted(timings, reverse=True):
+        if timings[n]["sdpa"] * (1 + tolerance) < timings[n]["kernel"]:
+            chosen = n
+        else:
+            break
+    return chosen
+
+
+def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                      rows: tuple[int, ...] = ATTENTION_ROWS, repeats: int = REPEATS) -> dict[int, dict[str, float]]:
+    """ms of one prompt row of n new tokens (from position 0) by our kernel and by SDPA, interleaved."""
+    from .attention import RowAttention
+    gen = torch.Generator().manual_seed(0)
+    cap = max(rows)
+    ks = (torch.randn(1, kv_heads, cap, dim, generator=gen) * 0.5).to(dtype)
+    vs = torch.randn(1, kv_heads, cap, dim, generator=gen).to(dtype)
+    sdpa = RowAttention(kernel, 1)
+    out: dict[int, dict[str, float]] = {}
+    for n in rows:
+        q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+        table = torch.tensor([[0], [0], [n], [0]], dtype=torch.long)
+        laps: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+        for rep in range(repeats + 1):
+            for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+                t0 = time.perf_counter()
+                fn(q, ks, vs, table, dim ** -0.5)
+                if rep:
+                    laps[name].append(time.perf_counter() - t0)
+        out[n] = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+    return out
+
+
+def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                        folder: Path | None = None) -> AttentionPlan:
+    """Where prompt rows take SDPA on this machine for this attention shape (cached like the linear plans)."""
+    text = json.dumps({"version": VERSION, "machine": machine(), "dtype": str(dtype), "heads": heads,
+                       "kv_heads": kv_heads, "dim": dim}, sort_keys=True)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def measured() -> tuple[AttentionPlan, dict]:
+        t0 = time.perf_counter()
+        timings = measure_attention(kernel, heads, kv_heads, dim, dtype)
+        plan = AttentionPlan(key, timings, choose_sdpa_from(timings), time.perf_counter() - t0)
+        return plan, plan.to_json()
+    return _cached(folder or plans_folder(), "attention-plan", key, AttentionPlan.from_json, measured)
