@@ -238,6 +238,8 @@ def main() -> None:
                                                  else "FAILED " + res["error"][-300:]), flush=True)
             if rep == 0 and "kernels" in res:
                 print("    kernels: " + "; ".join(res["kernels"]), flush=True)
+            if rep == 0 and res.get("slots_reason"):
+                print(f"    max_num_seqs {res['max_num_seqs']}: {res['slots_reason']}", flush=True)
     for mode in sorted({c["vllm"] for c in configs if "vllm" in c}):
         got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, args.repeats,
                        workdir / f"vllm_{mode}.json", common, args.prefix_cache)

@@ -99,7 +99,8 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
             # tokens each model forwarded in the timed run (prefill, catch-up, drafts, verification)
             "target_forward_tokens": engine.target.num_forward_tokens - forwarded[0],
             "draft_forward_tokens": (draft_runner.num_forward_tokens - forwarded[1]) if draft_runner else 0,
-            "kernels": loaded.plan_lines(),
+            "kernels": loaded.plan_lines(), "max_num_seqs": engine.config.max_num_seqs,
+            "slots_reason": loaded.slots_reason,
             "num_steps": len(steps), "grammar_s": engine.grammar_s - grammar_before, "finish_reasons": [c.finish_reason for c in completions],
             "constrained": len(constrained), "valid": sum(valid),
             "valid_of_finished": (sum(valid) / sum(c.finish_reason in ("eos", "stop") for c in constrained)

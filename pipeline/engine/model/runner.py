@@ -168,7 +168,8 @@ class ModelRunner:
         if kernels.cpu_linear == "on" or (kernels.cpu_linear == "off" and packs):
             kind = PANEL_KIND if kernels.cpu_linear == "on" else ONEDNN
             return {f: LinearPlan.single(kind) for f in shapes}
-        kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (ONEDNN, packs), (TORCH, True)) if ok)
+        # F.linear only where oneDNN cannot pack: it runs oneDNN's or MKL's kernels on the dense weight
+        kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (ONEDNN, packs), (TORCH, not packs)) if ok)
         if kernels.cpu_linear == "off" or kinds == (TORCH,):
             return None
         weights: dict[str, list[torch.Tensor]] = {}
