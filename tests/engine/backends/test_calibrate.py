@@ -35,7 +35,7 @@ def test_choice_from_recorded_timings():
     # fp32 on the same box: F.linear wins 1 row by 15% over the panel kernel, which wins 4 rows by 17%,
     # then oneDNN: three copies of the weights are worth it only where each gains > 5%
     assert cal.choose_plan(AMX_FP32).describe() == "torch<=1 panel<=4 onednn"
-    assert cal.choose_plan(EPYC_FP32).describe() == "panel<=64 onednn"
+    assert cal.choose_plan(EPYC_FP32).describe() == "panel<=16 onednn"   # 64 rows: within 1%, the kernel above
 
 
 def test_a_kernel_within_tolerance_everywhere_is_not_kept():
@@ -234,3 +234,11 @@ def test_attention_plan_measured_cached_and_applied(tmp_path, monkeypatch):
     assert isinstance(runner.cpu_attention, RowAttention) and runner.cpu_attention.sdpa_from == 64
     assert "flash attention for rows of >= 64" in runner.plan.attention
     assert not isinstance(build_runner(tiny_llama(seed=3), 2, 64, cpu_attention="on").cpu_attention, RowAttention)
+
+
+def test_near_equal_kernels_make_no_extra_switch():
+    """oneDNN within 5% of the panel kernel at 1 row, behind at 2-4, ahead from 8: the plan does not
+    switch to oneDNN for the one row where noise put it first."""
+    times = {"panel": {1: 2.2, 2: 1.4, 4: 1.6, 8: 2.8, 64: 20.0},
+             "onednn": {1: 2.15, 2: 1.8, 4: 1.9, 8: 1.9, 64: 3.1}}
+    assert cal.choose_plan(times).describe() == "panel<=4 onednn"

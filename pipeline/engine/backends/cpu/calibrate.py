@@ -16,9 +16,10 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
   * per bucket one warm-up pass and REPEATS timed passes of each live candidate in turn (interleaved,
     so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
     best and losing ground as rows grow is not timed at larger buckets.
-`choose_plan` then takes, per bucket, the fastest kernel, and drops a kernel from the plan wherever
-the others stay within TOLERANCE of the best at every bucket (each kernel in a plan is a copy of the
-family's weights). Calls between two buckets take the larger bucket's kernel.
+`choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
+fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
+bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
+timings make no extra switch). Calls between two buckets take the larger bucket's kernel.
 
 The result is cached in the kernel cache folder (build.py), keyed by the CPU (model name and
 instruction-set flags), torch's version, the threads, the dtype, the model's linear shapes and the
@@ -49,12 +50,12 @@ import torch.nn.functional as F
 from .build import _cache_dir, _cpu_flags
 from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PanelKernel
 
-VERSION = 2                              # of the measurement: a change here re-measures every cached plan
+VERSION = 3                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
 DROP_RATIO = 2.5
-FAMILY_BYTES = 256 << 20
+FAMILY_BYTES = 128 << 20
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8", "amx_fp16", "asimd", "sve", "bf16")
 
@@ -85,9 +86,16 @@ def choose_plan(times: Timings, tolerance: float = TOLERANCE) -> LinearPlan:
         if not costs:
             break
         kept.remove(min(costs, key=costs.get))
+    # per bucket the fastest kept kernel, but from the largest bucket down the kernel of the bucket
+    # above wherever it is within tolerance too: noise between near-equal kernels makes no extra switches
+    chosen, above = {}, None
+    for b in reversed(buckets):
+        fastest = min(kept, key=lambda k: time_of(k, b))
+        chosen[b] = above if above is not None and time_of(above, b) <= (1 + tolerance) * best[b] else fastest
+        above = chosen[b]
     segments = []
     for b in buckets:
-        kind = min(kept, key=lambda k: time_of(k, b))
+        kind = chosen[b]
         if segments and segments[-1][1] == kind:
             segments[-1] = (b, kind)
         else:
