@@ -34,8 +34,8 @@ def _switch(value):
 @dataclass
 class EngineConfig:
     max_num_seqs: Any = AUTO         # running sequences at most (= KV slots per model): an integer >= 1, or
-                                     # auto (bounded by the KV memory a slot needs; on CPU then where a
-                                     # step's tokens/s stops rising, measured; model/slots.py, printed)
+                                     # auto (bounded by the KV memory a slot needs; on CPU then the fewest
+                                     # rows near the best tokens/s, measured; model/slots.py, printed)
     max_model_len: int = 2048        # prompt + output tokens per sequence (KV positions per slot)
     max_prefill_tokens: int = 512    # prompt tokens prefilled per step, all new sequences together
     prefix_reuse: bool = True        # a new prompt copies the target KV of its longest prefix some slot holds

@@ -93,7 +93,7 @@ def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineC
     """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
     None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
     must be resolved; fit_slots: it is an upper bound, and on CPU the target's runner keeps the
-    sequences up to where its tokens/s stops rising (ModelRunner.fit_slots), which the draft follows."""
+    fewest sequences near its best measured tokens/s (ModelRunner.fit_slots), which the draft follows."""
     if drafting.uses_draft_model != (draft is not None):
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))

@@ -31,7 +31,7 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, probe_rows
+from .slots import KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, probe_rows
 
 
 def cache_kwarg(model) -> str:
@@ -94,9 +94,9 @@ class ModelRunner:
             self.fit_slots()
 
     def fit_slots(self, repeats: int = 2) -> tuple[int, str]:
-        """Keep the slots up to where plain decoding's tokens/s stops rising here (slots.py), measured
-        on this runner: steps of 1, 2, 4, ... rows of one token at a typical context, stopping at the
-        knee. Shrinks the store to that many slots. Only before any sequence holds a slot (the steps
+        """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
+        this runner (slots.py): steps of 1, 2, 4, ... rows of one token at a typical context, up to
+        the slots it has. Shrinks the store to that many slots. Only before any sequence holds a slot (the steps
         write scratch KV); not with step graphs (they hold the store). Returns (slots, why)."""
         if self.graphs is not None:
             return self.num_slots, "kept: step graphs hold the store"
@@ -104,8 +104,6 @@ class ModelRunner:
         rates: list[tuple[int, float]] = []
         for rows in probe_rows(self.num_slots):
             rates.append((rows, self._decode_rate(rows, context, repeats)))
-            if knee(rates) < rows:
-                break
         n = knee(rates)
         self.num_forward_tokens = 0
         if n < self.num_slots:
@@ -114,7 +112,8 @@ class ModelRunner:
                 self.decoder.cache = self.cache
             self.num_slots = n
         shown = ", ".join(f"{r}: {t:.0f}" for r, t in rates)
-        why = f"measured tokens/s of plain steps by rows at context {context} ({shown}): {n} before the knee"
+        why = (f"measured tokens/s of plain steps by rows at context {context} ({shown}): {n}, the fewest "
+               f"within {1 - KNEE_SHARE:.0%} of the best")
         self.slots_reason = why if self.slots_reason is None else f"{self.slots_reason}; {why}"
         return n, why
 

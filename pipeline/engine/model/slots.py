@@ -2,12 +2,13 @@
 
 Bounded by the KV memory first: every slot of every model holds max_model_len positions of keys and
 values, and the stores may take a share of the memory free now. Within that, on CPU, by measurement:
-the target's runner times plain decoding steps of 1, 2, 4, ... rows (one token each, at a typical
-context, so attention reads count) and keeps the rows where a step's tokens/s stops rising: the
-first row count r whose double gains less than KNEE_GAIN (ModelRunner.fit_slots). Past that, more
-sequences at once only add latency and memory. Where the whole range keeps rising, the memory bound
-(or PROBE_ROWS) stays. On CUDA the count is BEST (its step is far from the knee at any batch a
-store fits).
+the target's runner times plain decoding steps of 1, 2, 4, ... rows up to that bound (one token each,
+at a typical context, so attention reads count) and keeps the fewest rows whose tokens/s reaches
+KNEE_SHARE of the best it measured (ModelRunner.fit_slots): more sequences at once past that add
+latency and memory for little. The whole range is measured, not stopped at the first flat stretch:
+where the linear plan changes kernel (panel to oneDNN at 8-16 rows) a doubling can gain little and
+the next one a lot. On CUDA the count is BEST (its step is far from saturation at any batch a store
+fits).
 
 It knows nothing about requests or drafting.
 """
@@ -22,7 +23,7 @@ from .hf_config import head_dim, text_config
 
 BEST = {"cpu": 256, "cuda": 256}       # CPU: the most rows the measurement tries; CUDA: the count taken
 MEMORY_SHARE = {"cpu": 0.25, "cuda": 0.5}   # of the memory free now, for the KV stores
-KNEE_GAIN = 1.1                        # doubling the rows must gain 10% tokens/s to be worth its latency
+KNEE_SHARE = 0.9                       # of the best tokens/s measured: the fewest rows that reach it
 
 
 def most_max_num_seqs(max_num_seqs, device: str) -> int:
@@ -62,13 +63,11 @@ def choose_max_num_seqs(models: list, max_model_len: int) -> tuple[int, str]:
     return n, why
 
 
-def knee(rates: list[tuple[int, float]], gain: float = KNEE_GAIN) -> int:
-    """The rows to run from (rows, tokens/s) in increasing rows: the first whose next measured count
-    gains less than `gain` (times its rows ratio's share: 2x rows must give gain x tokens/s), else the last."""
-    for (rows, rate), (more, faster) in zip(rates, rates[1:]):
-        if faster < rate * gain ** math.log2(more / rows):
-            return rows
-    return rates[-1][0]
+def knee(rates: list[tuple[int, float]], share: float = KNEE_SHARE) -> int:
+    """The rows to run from (rows, tokens/s) measured: the fewest whose tokens/s reaches `share` of
+    the best measured."""
+    best = max(rate for _, rate in rates)
+    return min(rows for rows, rate in rates if rate >= share * best)
 
 
 def probe_rows(limit: int) -> list[int]:

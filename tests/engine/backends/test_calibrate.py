@@ -186,11 +186,14 @@ def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
         with open(log, "a") as f:
             f.write("x")
         time.sleep(0.5)
-        return {fam: {kind: {1: 1.0 + i} for i, kind in enumerate(kinds)} for fam in weights}
+        # F.linear fastest: the children then run no oneDNN call (no OpenMP pool after the fork)
+        return {fam: {kind: {1: 1.0 if kind == "torch" else 2.0} for kind in kinds} for fam in weights}
     monkeypatch.setattr(cal, "measure", slow_measure)
 
+    weights = _weights()
+
     def work():
-        cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path / "plans")
+        cal.calibrate(weights, SHAPES, ("onednn", "torch"), None, tmp_path / "plans")
     (tmp_path / "plans").mkdir()
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=work) for _ in range(2)]
