@@ -32,7 +32,7 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): part of the build's cache key,
     because the build targets this CPU (-march=native)."""
     try:
@@ -53,7 +53,7 @@ def _arch_flags() -> list[str]:
     return []
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("SPECPIPE_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpipe", "kernels")
     path = Path(root)
     try:
@@ -72,9 +72,9 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(), *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]    # what the source may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, _cpu_flags(),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    cache = _cache_dir()
+    cache = cache_dir()
     lib = cache / f"{source.stem}-{key}.so"
     if lib.exists():
         return lib

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .build import _cache_dir, _cpu_flags
+from .build import cache_dir, cpu_flags
 from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PanelKernel
 
 VERSION = 3                              # of the measurement: a change here re-measures every cached plan
@@ -122,7 +122,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    flags = set(cpu_flags().split(":", 1)[-1].split())
     return {"cpu": cpu, "isa": sorted(flags & set(ISA_FLAGS)), "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 
@@ -288,7 +288,7 @@ def instructions(kind: str, dtype: torch.dtype, host: dict) -> str:
 
 
 def plans_folder() -> Path:
-    path = _cache_dir() / "plans"
+    path = cache_dir() / "plans"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
