@@ -93,13 +93,16 @@ def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineC
     """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
     None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
     must be resolved; fit_slots: it is an upper bound, and on CPU the target's runner keeps the
-    fewest sequences near its best measured tokens/s (ModelRunner.fit_slots), which the draft follows."""
+    fewest sequences near its best measured tokens/s (model/slots.py), which the draft follows."""
     if drafting.uses_draft_model != (draft is not None):
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))
-    runner = ModelRunner(target, engine_cfg, kernels)
-    if fit_slots and runner.device.type == "cpu":
-        engine_cfg = replace(engine_cfg, max_num_seqs=runner.fit_slots()[0])
+    if fit_slots:      # the target's runner measures its slots within the bound; the draft's follows
+        runner = ModelRunner(target, replace(engine_cfg, max_num_seqs=AUTO), kernels,
+                             slot_bound=engine_cfg.max_num_seqs)
+        engine_cfg = replace(engine_cfg, max_num_seqs=runner.num_slots)
+    else:
+        runner = ModelRunner(target, engine_cfg, kernels)
     drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     if drafting.free_method is not None:
         free = free_drafter(drafting, drafting.free_method, runner.device)

@@ -1,10 +1,11 @@
-"""`engine.max_num_seqs: auto` on CPU (pipeline/engine/model/slots.py, ModelRunner.fit_slots): the knee
+"""`engine.max_num_seqs: auto` on CPU (pipeline/engine/model/slots.py, ModelRunner._fit_slots): the knee
 from recorded tokens/s curves, and the runner keeping the slots up to it (its store shrunk, the loop
 over the new store, greedy output still Hugging Face's), with the memory bound above it."""
 from __future__ import annotations
 
 from conftest import greedy_reference, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import EngineConfig, SamplingParams, SpecEngine
+from pipeline.engine.backends.flex import capacity
 from pipeline.engine.model import slots
 from pipeline.engine.model.runner import ModelRunner
 
@@ -36,19 +37,23 @@ def test_the_runner_keeps_the_slots_up_to_the_knee(target_model, monkeypatch):
     """A machine whose tokens/s stops rising past 8 rows (the curve given; the rest is the runner's):
     every row count up to the memory bound is timed, the store shrinks to 8 slots, and the engine on
     it still decodes as Hugging Face does."""
-    timed = []
+    timed, positions = [], []
 
     def curve(self, rows, context, repeats):
         timed.append(rows)
+        positions.append(self.cache.max_len)
         return {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 62.0}.get(rows, 64.0)
     monkeypatch.setattr(ModelRunner, "_decode_rate", curve)
     monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
-    runner = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    runner = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=1024))
     assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    fit = (lambda n: capacity(n)) if runner.flex else (lambda n: n)     # FlexAttention's stores hold whole blocks
+    assert set(positions) == {fit(385)}                 # measured on a store of context 384 + 1 positions
     assert runner.num_slots == 8 and runner.cache.num_slots == 8 and runner.cache.keys[0].shape[0] == 8
+    assert runner.cache.max_len == fit(1024) > fit(385)
     assert runner.decoder is None or runner.decoder.cache is runner.cache
     assert "8, the fewest within 10% of the best" in runner.slots_reason and "KV per sequence" in runner.slots_reason
-    engine = SpecEngine(runner, None, EngineConfig(max_num_seqs=8, max_model_len=256))
+    engine = SpecEngine(runner, None, EngineConfig(max_num_seqs=8, max_model_len=1024))
     prompts = mixed_prompts(10, 512, seed=4)
     done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0))
     for i, prompt in enumerate(prompts):

@@ -31,7 +31,7 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, probe_rows
+from .slots import KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, measuring_context, probe_rows
 
 
 def cache_kwarg(model) -> str:
@@ -45,7 +45,8 @@ class ModelRunner:
     `config.max_model_len` positions; the kernels come from the backend plan (plan.py): `kernels`
     overrides the per-kernel switches that `config.kernels` implies (tests and benchmarks)."""
 
-    def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None,
+                 slot_bound: int | None = None):
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
         cfg = text_config(model.config)
@@ -58,8 +59,9 @@ class ModelRunner:
         self.max_model_len = max_model_len = config.max_model_len
         self.slots_reason = None
         auto = config.max_num_seqs == AUTO
-        if auto:
-            n, self.slots_reason = choose_max_num_seqs([model], max_model_len)
+        if auto:           # slot_bound: the caller's bound (e.g. from the memory of two models), said by it
+            n, why = choose_max_num_seqs([model], max_model_len)
+            n, self.slots_reason = (n, why) if slot_bound is None else (min(n, slot_bound), None)
             config = replace(config, max_num_seqs=n)
         self.num_slots = num_slots = config.max_num_seqs
         chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
@@ -76,10 +78,13 @@ class ModelRunner:
         # CUDA graphs: their pad rows and tokens need one spare slot and a few positions past max_model_len
         store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
-        self._store = lambda slots: SlotKVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads,
-                                                capacity(store_len) if self.flex else store_len,
-                                                head_size, self.dtype, self.device)
-        self.cache = self._store(store_slots)
+        self._store = lambda slots, positions=store_len: SlotKVCache(
+            cfg.num_hidden_layers, slots, cfg.num_key_value_heads, capacity(positions) if self.flex else positions,
+            head_size, self.dtype, self.device)
+        # auto on CPU: the slots are measured (fit_slots) on a store of the few positions the measuring
+        # steps use, and the store of max_model_len positions is made for the slots kept
+        measure = auto and self.device.type == "cpu" and not chosen.graphs
+        self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
         self.kernels = kernels
@@ -90,32 +95,27 @@ class ModelRunner:
                                   self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None)
                        if chosen.graphs and self.decoder is None and self.cpu_attention is None else None)
         self.plan = self._plan(chosen)
-        if auto and self.device.type == "cpu":
-            self.fit_slots()
+        if measure:
+            self._fit_slots()
 
-    def fit_slots(self, repeats: int = 2) -> tuple[int, str]:
+    def _fit_slots(self, repeats: int = 2) -> None:
         """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
-        this runner (slots.py): steps of 1, 2, 4, ... rows of one token at a typical context, up to
-        the slots it has. Shrinks the store to that many slots. Only before any sequence holds a slot (the steps
-        write scratch KV); not with step graphs (they hold the store). Returns (slots, why)."""
-        if self.graphs is not None:
-            return self.num_slots, "kept: step graphs hold the store"
-        context = min(self.max_model_len // 2, 384)
+        this runner (slots.py): steps of 1, 2, 4, ... rows of one token at measuring_context, up to the slots
+        it has; then the store of max_model_len positions for those slots."""
+        context = measuring_context(self.max_model_len)
         rates: list[tuple[int, float]] = []
         for rows in probe_rows(self.num_slots):
             rates.append((rows, self._decode_rate(rows, context, repeats)))
         n = knee(rates)
         self.num_forward_tokens = 0
-        if n < self.num_slots:
-            self.cache = self._store(n)
-            if self.decoder is not None:
-                self.decoder.cache = self.cache
-            self.num_slots = n
+        self.cache = self._store(n)
+        if self.decoder is not None:
+            self.decoder.cache = self.cache
+        self.num_slots = n
         shown = ", ".join(f"{r}: {t:.0f}" for r, t in rates)
         why = (f"measured tokens/s of plain steps by rows at context {context} ({shown}): {n}, the fewest "
                f"within {1 - KNEE_SHARE:.0%} of the best")
         self.slots_reason = why if self.slots_reason is None else f"{self.slots_reason}; {why}"
-        return n, why
 
     def _decode_rate(self, rows: int, context: int, repeats: int) -> float:
         """Tokens/s of a plain decoding step of `rows` rows at `context` (median of `repeats` after a warm-up)."""

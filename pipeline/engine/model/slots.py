@@ -4,7 +4,7 @@ Bounded by the KV memory first: every slot of every model holds max_model_len po
 values, and the stores may take a share of the memory free now. Within that, on CPU, by measurement:
 the target's runner times plain decoding steps of 1, 2, 4, ... rows up to that bound (one token each,
 at a typical context, so attention reads count) and keeps the fewest rows whose tokens/s reaches
-KNEE_SHARE of the best it measured (ModelRunner.fit_slots): more sequences at once past that add
+KNEE_SHARE of the best it measured (ModelRunner._fit_slots): more sequences at once past that add
 latency and memory for little. The whole range is measured, not stopped at the first flat stretch:
 where the linear plan changes kernel (panel to oneDNN at 8-16 rows) a doubling can gain little and
 the next one a lot. On CUDA the count is BEST (its step is far from saturation at any batch a store
@@ -68,6 +68,11 @@ def knee(rates: list[tuple[int, float]], share: float = KNEE_SHARE) -> int:
     the best measured."""
     best = max(rate for _, rate in rates)
     return min(rows for rows, rate in rates if rate >= share * best)
+
+
+def measuring_context(max_model_len: int) -> int:
+    """The context the measuring steps run at: a typical one, so attention's reads count."""
+    return min(max_model_len // 2, 384)
 
 
 def probe_rows(limit: int) -> list[int]:
