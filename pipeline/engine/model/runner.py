@@ -158,9 +158,9 @@ class ModelRunner:
         off: oneDNN's packed linear; auto: measured here among the kernels that run (calibrate.py),
         with a second copy of a family's weights only where it fits in the memory share of the KV stores.
         None: torch's modules as they are (packed_linear off, or nothing of ours runs here)."""
-        if not kernels.packed_linear or self.device.type != "cpu":
-            return None
         shapes = family_shapes(model)
+        if not kernels.packed_linear or self.device.type != "cpu" or not shapes:
+            return None          # (no nn.Linear left: a model another runner has planned already)
         if kernels.linear_plan is not None:
             return {f: kernels.linear_plan for f in shapes}
         packs = can_pack(self.device, self.dtype)
@@ -184,7 +184,9 @@ class ModelRunner:
                      "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
         forced = self.kernels.linear_plan
-        linear = ("torch" if not self.planned else self.calibration.describe() if self.calibration is not None
+        earlier = next((m.plan for m in self.model.modules() if type(m) is PlannedLinear), None)
+        linear = (("torch" if earlier is None else f"planned earlier: {earlier.describe()}") if not self.planned
+                  else self.calibration.describe() if self.calibration is not None
                   else f"planned: {forced.describe()}" if forced is not None
                   else f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else "onednn-packed")
         graphs = "off" if self.graphs is None else "captured" if chosen.capture_graphs else "uncaptured"
