@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import torch
 
+from ..backends.cpu.attention import RowAttention
+from ..backends.cpu.calibrate import Calibration, calibrate, calibrate_attention, measuring_alone
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse
-from ..backends.cpu.attention import RowAttention
-from ..backends.cpu.calibrate import Calibration, calibrate, calibrate_attention
 from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_shapes,
                                    planned_linears)
 from ..backends.cpu.linear import family as family_of_linear
@@ -31,7 +31,8 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, measuring_context, probe_rows
+from .slots import (KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, measuring_context,
+                    probe_rows)
 
 
 def cache_kwarg(model) -> str:
@@ -104,8 +105,9 @@ class ModelRunner:
         it has; then the store of max_model_len positions for those slots."""
         context = measuring_context(self.max_model_len)
         rates: list[tuple[int, float]] = []
-        for rows in probe_rows(self.num_slots):
-            rates.append((rows, self._decode_rate(rows, context, repeats)))
+        with measuring_alone("slot-steps"):           # workers starting together: one at a time
+            for rows in probe_rows(self.num_slots):
+                rates.append((rows, self._decode_rate(rows, context, repeats)))
         n = knee(rates)
         self.num_forward_tokens = 0
         self.cache = self._store(n)

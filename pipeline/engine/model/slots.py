@@ -14,7 +14,6 @@ It knows nothing about requests or drafting.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

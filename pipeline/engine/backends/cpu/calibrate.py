@@ -40,6 +40,7 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .build import cache_dir, cpu_flags
-from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PanelKernel
+from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
 VERSION = 3                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -293,6 +294,15 @@ def plans_folder() -> Path:
     return path
 
 
+@contextmanager
+def measuring_alone(name: str, folder: Path | None = None):
+    """Held by one process of this machine at a time (a lock file in the plans folder): timings taken
+    by workers starting together would be each other's noise."""
+    with open((folder or plans_folder()) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
             measure: Callable[[], tuple[object, dict]]):
     """`load` of the file `name-key.json` in `folder` where this machine wrote one, else the result of
@@ -300,8 +310,7 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
     measures (timings taken side by side would be each other's noise) while the others wait on the
     lock, then read its file."""
     path = folder / f"{name}-{key}.json"
-    with open(folder / f"{name}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with measuring_alone(f"{name}-{key}", folder):
         try:
             return load(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure
