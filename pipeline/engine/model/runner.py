@@ -19,9 +19,8 @@ from ..backends.cpu.attention import RowAttention
 from ..backends.cpu.calibrate import Calibration, calibrate, calibrate_attention, measuring_alone
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse
-from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_shapes,
+from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_weights,
                                    planned_linears)
-from ..backends.cpu.linear import family as family_of_linear
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
@@ -82,7 +81,7 @@ class ModelRunner:
         self._store = lambda slots, positions=store_len: SlotKVCache(
             cfg.num_hidden_layers, slots, cfg.num_key_value_heads, capacity(positions) if self.flex else positions,
             head_size, self.dtype, self.device)
-        # auto on CPU: the slots are measured (fit_slots) on a store of the few positions the measuring
+        # auto on CPU: the slots are measured (_fit_slots) on a store of the few positions the measuring
         # steps use, and the store of max_model_len positions is made for the slots kept
         measure = auto and self.device.type == "cpu" and not chosen.graphs
         self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
@@ -160,23 +159,20 @@ class ModelRunner:
         off: oneDNN's packed linear; auto: measured here among the kernels that run (calibrate.py),
         with a second copy of a family's weights only where it fits in the memory share of the KV stores.
         None: torch's modules as they are (packed_linear off, or nothing of ours runs here)."""
-        shapes = family_shapes(model)
-        if not kernels.packed_linear or self.device.type != "cpu" or not shapes:
+        weights = family_weights(model)
+        if not kernels.packed_linear or self.device.type != "cpu" or not weights:
             return None          # (no nn.Linear left: a model another runner has planned already)
         if kernels.linear_plan is not None:
-            return {f: kernels.linear_plan for f in shapes}
+            return {f: kernels.linear_plan for f in weights}
         packs = can_pack(self.device, self.dtype)
         if kernels.cpu_linear == "on" or (kernels.cpu_linear == "off" and packs):
             kind = PANEL_KIND if kernels.cpu_linear == "on" else ONEDNN
-            return {f: LinearPlan.single(kind) for f in shapes}
+            return {f: LinearPlan.single(kind) for f in weights}
         # F.linear only where oneDNN cannot pack: it runs oneDNN's or MKL's kernels on the dense weight
         kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (ONEDNN, packs), (TORCH, not packs)) if ok)
         if kernels.cpu_linear == "off" or kinds == (TORCH,):
             return None
-        weights: dict[str, list[torch.Tensor]] = {}
-        for name, module in model.named_modules():
-            if type(module) is torch.nn.Linear:
-                weights.setdefault(family_of_linear(name), []).append(module.weight.detach())
+        shapes = {f: [tuple(w.shape) for w in ws] for f, ws in weights.items()}
         budget = int(free_memory(self.device) * MEMORY_SHARE["cpu"])
         self.calibration = calibrate(weights, shapes, kinds, chosen.linear).within(budget)
         return self.calibration.plans

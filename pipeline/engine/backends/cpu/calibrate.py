@@ -41,13 +41,14 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
@@ -63,14 +64,19 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp1
 Timings = dict[str, dict[int, float]]   # kind -> bucket -> ms for the whole family
 
 
+def _fastest(times: Timings) -> tuple[list[int], dict[int, float]]:
+    """The buckets timed (sorted) and each one's fastest time over the kernels."""
+    buckets = sorted({b for per in times.values() for b in per})
+    return buckets, {b: min(per[b] for per in times.values() if b in per) for b in buckets}
+
+
 def choose_plan(times: Timings, tolerance: float = TOLERANCE) -> LinearPlan:
     """The plan for one family from its timings: at each bucket the fastest kernel, then the fewest
     kernels that keep every bucket within `tolerance` of its fastest (a kernel dropped is a copy of
     the weights saved). A bucket a kernel was not timed at counts as a loss for it."""
-    buckets = sorted({b for per in times.values() for b in per})
+    buckets, best = _fastest(times)
     if not buckets:
         raise ValueError("no timings to choose a plan from")
-    best = {b: min(per[b] for per in times.values() if b in per) for b in buckets}
 
     def time_of(kind: str, b: int) -> float:
         return times[kind].get(b, math.inf)
@@ -107,8 +113,7 @@ def choose_plan(times: Timings, tolerance: float = TOLERANCE) -> LinearPlan:
 def single_plan(times: Timings) -> LinearPlan:
     """One kernel for every row count: the one nearest the fastest over the buckets (geometric mean of
     its ratio to each bucket's fastest), for where memory allows one copy of the weights only."""
-    buckets = sorted({b for per in times.values() for b in per})
-    best = {b: min(per[b] for per in times.values() if b in per) for b in buckets}
+    buckets, best = _fastest(times)
     score = {k: sum(math.log(per.get(b, math.inf) / best[b]) for b in buckets) for k, per in times.items()}
     return LinearPlan.single(min((k for k in KINDS if k in score), key=score.get))
 
@@ -130,8 +135,13 @@ def machine() -> dict:
 
 def cache_key(host: dict, dtype: torch.dtype, shapes: dict[str, list[tuple[int, int]]], kinds: tuple[str, ...]) -> str:
     """16 hex digits naming one calibration: machine x dtype x the model's linear shapes x candidates."""
-    text = json.dumps({"version": VERSION, "machine": host, "dtype": str(dtype), "kinds": list(kinds),
-                       "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}}, sort_keys=True)
+    return _digest({"machine": host, "dtype": str(dtype), "kinds": list(kinds),
+                    "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}})
+
+
+def _digest(fields: dict) -> str:
+    """16 hex digits of `fields` and the measurement's VERSION."""
+    text = json.dumps({"version": VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -157,9 +167,7 @@ class Calibration:
         """These plans, or one kernel per family where their extra copies exceed `budget` bytes."""
         if self.extra_bytes() <= budget:
             return self
-        return Calibration(self.key, self.machine, self.dtype, self.timings,
-                           {f: single_plan(t) for f, t in self.timings.items()}, self.isa, self.seconds,
-                           self.cached, True, self.family_bytes)
+        return replace(self, plans={f: single_plan(t) for f, t in self.timings.items()}, single=True)
 
     def describe(self) -> str:
         plans = {f: self.plans[f].describe() for f in FAMILIES if f in self.plans}
@@ -397,7 +405,6 @@ def choose_sdpa_from(timings: dict[int, dict[str, float]], tolerance: float = TO
 def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                       rows: tuple[int, ...] = ATTENTION_ROWS, repeats: int = 5) -> dict[int, dict[str, float]]:
     """ms of one prompt row of n new tokens (from position 0) by our kernel and by SDPA, interleaved."""
-    from .attention import RowAttention
     gen = torch.Generator().manual_seed(0)
     cap = max(rows)
     ks = (torch.randn(1, kv_heads, cap, dim, generator=gen) * 0.5).to(dtype)
@@ -421,9 +428,7 @@ def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.
 def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                         folder: Path | None = None) -> AttentionPlan:
     """Where prompt rows take SDPA on this machine for this attention shape (cached like the linear plans)."""
-    text = json.dumps({"version": VERSION, "machine": machine(), "dtype": str(dtype), "heads": heads,
-                       "kv_heads": kv_heads, "dim": dim}, sort_keys=True)
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    key = _digest({"machine": machine(), "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "dim": dim})
 
     def measured() -> tuple[AttentionPlan, dict]:
         t0 = time.perf_counter()

@@ -330,6 +330,7 @@ class PlannedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
         weight = linear.weight.detach()
+        self.weight_dtype = weight.dtype
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
         if PANEL_KIND in plan.kinds:
             if kernel is None or weight.dtype != kernel.dtype:
@@ -379,10 +380,8 @@ class PlannedLinear(nn.Module):
         return self._runs[-1](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = (self.panels if hasattr(self, "panels") else self.packed_weight if hasattr(self, "packed_weight")
-                 else self.weight).dtype
-        if x.dtype != dtype or x.shape[-1] != self.in_features:
-            want = str(dtype).removeprefix("torch.")
+        if x.dtype != self.weight_dtype or x.shape[-1] != self.in_features:
+            want = str(self.weight_dtype).removeprefix("torch.")
             raise ValueError(f"linear: expected [..., {self.in_features}] {want}, got {tuple(x.shape)} {x.dtype}")
         y = self.run(x.reshape(-1, self.in_features))
         return y.view(*x.shape[:-1], self.out_features)
@@ -439,13 +438,13 @@ def family(name: str) -> str:
     return FAMILY_OF.get(name.rpartition(".")[2], "qkv")
 
 
-def family_shapes(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
-    """(out, in) of every `nn.Linear` of `model` by family, in module order."""
-    shapes: dict[str, list[tuple[int, int]]] = {}
+def family_weights(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The weight ([out, in]) of every `nn.Linear` of `model` by family, in module order."""
+    weights: dict[str, list[torch.Tensor]] = {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
-            shapes.setdefault(family(name), []).append((module.out_features, module.in_features))
-    return shapes
+            weights.setdefault(family(name), []).append(module.weight.detach())
+    return weights
 
 
 def planned_linears(model: nn.Module, plans: dict[str, LinearPlan], kernel: PanelKernel | None) -> int:
