@@ -92,7 +92,8 @@ def test_the_cache_key_names_everything_the_timings_depend_on():
               cal.cache_key(HOST, torch.bfloat16, SHAPES, ("panel", "onednn")),
               cal.cache_key(HOST, torch.float32, dict(SHAPES, qkv=[(64, 64)] * 5), ("panel", "onednn")),
               cal.cache_key(HOST, torch.float32, dict(SHAPES, lm_head=[(401, 64)]), ("panel", "onednn")),
-              cal.cache_key(HOST, torch.float32, SHAPES, ("onednn", "torch"))]
+              cal.cache_key(HOST, torch.float32, SHAPES, ("onednn", "torch")),
+              cal.cache_key(HOST, torch.float32, SHAPES, ("panel", "onednn"), "panel_linear-0123456789abcdef")]
     assert len({base, *others}) == 1 + len(others)
 
 

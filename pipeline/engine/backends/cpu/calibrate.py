@@ -133,9 +133,11 @@ def machine() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def cache_key(host: dict, dtype: torch.dtype, shapes: dict[str, list[tuple[int, int]]], kinds: tuple[str, ...]) -> str:
-    """16 hex digits naming one calibration: machine x dtype x the model's linear shapes x candidates."""
-    return _digest({"machine": host, "dtype": str(dtype), "kinds": list(kinds),
+def cache_key(host: dict, dtype: torch.dtype, shapes: dict[str, list[tuple[int, int]]], kinds: tuple[str, ...],
+              build: str | None = None) -> str:
+    """16 hex digits naming one calibration: machine x dtype x the model's linear shapes x candidates x
+    our kernel's build (its source changed: measured again)."""
+    return _digest({"machine": host, "dtype": str(dtype), "kinds": list(kinds), "build": build,
                     "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}})
 
 
@@ -343,7 +345,7 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
         raise ValueError("no linear kernel to calibrate")
     dtype = next(iter(weights.values()))[0].dtype
     host = machine()
-    key = cache_key(host, dtype, counts, kinds)
+    key = cache_key(host, dtype, counts, kinds, kernel.build if kernel is not None else None)
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
@@ -428,7 +430,8 @@ def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.
 def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                         folder: Path | None = None) -> AttentionPlan:
     """Where prompt rows take SDPA on this machine for this attention shape (cached like the linear plans)."""
-    key = _digest({"machine": machine(), "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "dim": dim})
+    key = _digest({"machine": machine(), "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "dim": dim,
+                   "build": getattr(kernel, "build", None)})
 
     def measured() -> tuple[AttentionPlan, dict]:
         t0 = time.perf_counter()

@@ -130,6 +130,7 @@ class PanelKernel:
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
         self.layout = FLAVOURS[dtype].layout
+        self.build = path.stem                          # the source's, compiler's and CPU's build (build.py)
         self._lib = ctypes.CDLL(str(path))
         fn = getattr(self._lib, FLAVOURS[dtype].function)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64

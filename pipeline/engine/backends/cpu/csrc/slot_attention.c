@@ -4,8 +4,10 @@
  *
  * Built by pipeline/engine/backends/cpu/attention.py with the system C compiler (-O3, the host's vector
  * instructions, OpenMP) the first time a runner needs it, and loaded with ctypes. Portable C with
- * GCC (>= 12) / Clang vector extensions: no intrinsics, so the same source builds for AVX2, AVX-512
- * and NEON.
+ * GCC (>= 12) / Clang vector extensions, so the same source builds for AVX2, AVX-512 and NEON; on
+ * CPUs with AVX512_BF16 a bf16 store takes its own path with intrinsics (ATTEND_DP below: a decoding
+ * step's attention over 64 rows of ~330 keys, SmolLM2's shape, 1.4-1.6x faster there on an Intel
+ * Xeon with AMX; tasks of many queries, prompt rows, ~0.8x, where calibrate.py may send them to SDPA).
  *
  * Layouts (all contiguous, row-major):
  *   q, out       [num_tokens, heads, dim]          fp32, packed new tokens, row after row
@@ -170,6 +172,154 @@ ATTEND(attend_64_bf16, 64, uint16_t, load8_bf16)
 ATTEND(attend_128_bf16, 128, uint16_t, load8_bf16)
 ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
 
+/* bf16 stores on CPUs with AVX512_BF16 (Intel from Cooper Lake and Sapphire Rapids, AMD from Zen 4):
+ * the scores by VDPBF16PS, a dot product of bf16 pairs accumulated in fp32, read straight from the
+ * store (no widening): 32 key elements per instruction against 8 widened ones above. A product of
+ * two bf16 is exact in fp32, so each step is an fp32 fused multiply-add, as above, in another
+ * order. The queries are split into bf16 parts, q = hi + mid + lo to fp32 precision: a bf16
+ * model's queries are bf16 values (mid and lo zero, skipped when every query of a block is), an
+ * fp32 query loses nothing. p V in sixteen fp32 lanes, each value vector widened once per QB
+ * queries (or once per task, `VT` float, when the task's queries take many passes). The
+ * arithmetic of one query does not depend on the others of its block, as above.
+ * DIM: a multiple of 32. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DP_BF16 1
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16x __attribute__((vector_size(64)));
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline v16 load16_bf16(const uint16_t *p) {
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline v16 splat16(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline v8 fold16(v16 a) {                          /* lane i: a[i] + a[i + 8] */
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline __m512bh load32_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline __m512 dp32(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+
+#define MAX_DIM_DP 256
+#define QPARTS 3                                          /* hi, mid, lo */
+/* One query's parts: dst[part * MAX_DIM_DP + d] bf16. Returns 1 when the query is a bf16 value (mid = lo = 0). */
+static int split_query(const float *q, uint16_t *dst, int64_t dim) {
+    i8 inexact = {0};
+    for (int64_t d = 0; d < dim; d += 8) {
+        v8 r = load8(q + d);
+        for (int part = 0; part < QPARTS; part++) {
+            v8 h = round8_bf16(r);
+            store8_bf16(dst + part * MAX_DIM_DP + d, h);
+            r = r - h;
+            if (part == 0) inexact |= r != 0.0f;
+        }
+    }
+    for (int c = 0; c < 8; c++) if (inexact[c]) return 0;
+    return 1;
+}
+
+/* The scores of a block's QB queries (their first PARTS bf16 parts) into s, as ATTEND's. */
+#define SCORES_DP(PARTS, DIM)                                                                          \
+        for (int64_t l = 0; l < m8; l += 8) {                                                          \
+            for (int64_t b = 0; first_pass && b < 8 * DIM * 2; b += 64)  /* keys AHEAD on, from memory */ \
+                _mm_prefetch((const char *)(K + (l + AHEAD) * DIM) + b, _MM_HINT_T0);                  \
+            __m512 acc[QB][8];                                                                         \
+            for (int i = 0; i < QB; i++) for (int k = 0; k < 8; k++) acc[i][k] = _mm512_setzero_ps();  \
+            for (int k = 0; k < 8; k++) {                                                              \
+                for (int64_t d = 0; d < DIM; d += 32) {                                                \
+                    __m512bh kv = load32_bh(K + (l + k) * DIM + d);                                    \
+                    for (int part = 0; part < PARTS; part++)                                           \
+                        for (int i = 0; i < QB; i++)                                                   \
+                            acc[i][k] = dp32(acc[i][k], load32_bh(&qs[i][part][d]), kv);               \
+                }                                                                                      \
+            }                                                                                          \
+            for (int i = 0; i < QB; i++) {                                                             \
+                if (l + 8 > mq[i]) continue;                                                           \
+                v8 a[8];                                                                               \
+                for (int k = 0; k < 8; k++) a[k] = fold16((v16)acc[i][k]);                             \
+                store8(s + i * stride + l, reduce8(a) * scale);                                        \
+            }                                                                                          \
+        }                                                                                              \
+        for (int i = 0; i < QB; i++) {   /* each query's last m % 8 keys one at a time, as alone */   \
+            for (int64_t l = mq[i] & ~(int64_t)7; l < mq[i]; l++) {                                    \
+                __m512 acc = _mm512_setzero_ps();                                                      \
+                for (int64_t d = 0; d < DIM; d += 32)                                                  \
+                    for (int part = 0; part < PARTS; part++)                                           \
+                        acc = dp32(acc, load32_bh(&qs[i][part][d]), load32_bh(K + l * DIM + d));      \
+                v8 a = fold16((v16)acc);                                                               \
+                float t = 0;                                                                           \
+                for (int c = 0; c < 8; c++) t += a[c];                                                 \
+                s[i * stride + l] = t * scale;                                                         \
+            }                                                                                          \
+        }
+
+#define AHEAD 32                                          /* keys / values prefetched ahead */
+#define OUT16 8                                           /* 16-lane output vectors per query per pass */
+#define ATTEND_DP(NAME, DIM, VT, LOADV)                                                                \
+static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int64_t tok_stride,      \
+                 int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim,           \
+                 const int64_t *bits, int64_t base) {                                                 \
+    const uint16_t *K = Kv;                                                                            \
+    const VT *V = Vv;                                                                                  \
+    (void)dim;                                                                                         \
+    int64_t stride = p0 + n + 8;                                                                       \
+    uint16_t qs[QB][QPARTS][MAX_DIM_DP] __attribute__((aligned(64)));                                  \
+    for (int64_t j0 = 0; j0 < n * groups; j0 += QB) {                                                  \
+        int64_t nq = n * groups - j0 < QB ? n * groups - j0 : QB;                                      \
+        int64_t mq[QB];                                                                                \
+        int parts = 1;                                                                                 \
+        for (int i = 0; i < QB; i++) {                                                                 \
+            int64_t j = j0 + (i < nq ? i : nq - 1);                                                    \
+            if (!split_query(q + (j / groups) * tok_stride + (j % groups) * DIM, &qs[i][0][0], DIM))   \
+                parts = QPARTS;                                                                        \
+            mq[i] = p0 + j / groups + 1;                                                               \
+        }                                                                                              \
+        int64_t m = mq[QB - 1], m8 = m & ~(int64_t)7;                                                  \
+        int first_pass = j0 == 0;                   /* later passes find the keys and values in cache */ \
+        if (parts == 1) { SCORES_DP(1, DIM) } else { SCORES_DP(QPARTS, DIM) }                          \
+        uint64_t hidden[QB];                                                                           \
+        for (int i = 0; i < QB; i++) {                                                                 \
+            hidden[i] = bits ? ~(uint64_t)bits[(j0 + (i < nq ? i : nq - 1)) / groups] : 0;             \
+            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
+                if ((hidden[i] >> (l - base)) & 1) s[i * stride + l] = -FLT_MAX;                       \
+        }                                                                                              \
+        float inv[QB];                                                                                 \
+        for (int i = 0; i < QB; i++) {                                                                 \
+            float *si = s + i * stride;                                                                \
+            inv[i] = 1.0f / softmax_numerators(si, mq[i]);                                             \
+            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
+                if ((hidden[i] >> (l - base)) & 1) si[l] = 0.0f;                                       \
+            for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;                                          \
+        }                                                                                              \
+        for (int c0 = 0; c0 < DIM / 16; c0 += OUT16) {                                                 \
+            int nc = DIM / 16 - c0 < OUT16 ? DIM / 16 - c0 : OUT16;                                    \
+            v16 o[QB][OUT16] = {{0}};                                                                  \
+            for (int64_t l = 0; l < m; l++) {                                                          \
+                for (int64_t b = 0; first_pass && b < DIM * (int64_t)sizeof(VT); b += 64)              \
+                    _mm_prefetch((const char *)(V + (l + AHEAD) * DIM) + b, _MM_HINT_T0);              \
+                v16 p[QB];                                                                             \
+                for (int i = 0; i < QB; i++) p[i] = splat16(s[i * stride + l]);                        \
+                for (int c = 0; c < nc; c++) {                                                         \
+                    v16 vv = LOADV(V + l * DIM + (c0 + c) * 16);                                       \
+                    for (int i = 0; i < QB; i++) o[i][c] += p[i] * vv;                                 \
+                }                                                                                      \
+            }                                                                                          \
+            for (int i = 0; i < nq; i++) {                                                             \
+                int64_t j = j0 + i;                                                                    \
+                float *oj = out + (j / groups) * tok_stride + (j % groups) * DIM + c0 * 16;            \
+                v16 w = splat16(inv[i]);                                                               \
+                for (int c = 0; c < nc; c++) { v16 r = o[i][c] * w; memcpy(oj + c * 16, &r, sizeof r); } \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+}
+ATTEND_DP(attend_dp_64, 64, uint16_t, load16_bf16)
+ATTEND_DP(attend_dp_128, 128, uint16_t, load16_bf16)
+ATTEND_DP(attend_dp_any, dim, uint16_t, load16_bf16)
+ATTEND_DP(attend_dp_64_wide, 64, float, load16)
+ATTEND_DP(attend_dp_128_wide, 128, float, load16)
+ATTEND_DP(attend_dp_any_wide, dim, float, load16)
+#endif
+
 typedef void (*attend_fn)(const float *, const void *, const void *, float *, int64_t, int64_t, int64_t,
                           int64_t, float, float *, int64_t, const int64_t *, int64_t);
 
@@ -223,6 +373,22 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
         int64_t kv = (slot[r] * kv_heads + h) * cap * dim, qo = ((first[r] + t0) * heads + h * groups) * dim;
         const void *k = k_store + kv * elem_size, *v = v_store + kv * elem_size;
         attend_fn attend;
+#ifdef DP_BF16
+        if (elem_size == 2 && dim % 32 == 0 && dim <= MAX_DIM_DP) {      /* keys stay bf16; values widened */
+            if (widened) {
+                float *v32 = s + QB * (m + 8);
+                widen(v32, v, m * dim);
+                v = v32;
+                attend = dim == 64 ? attend_dp_64_wide : dim == 128 ? attend_dp_128_wide : attend_dp_any_wide;
+            } else {
+                attend = dim == 64 ? attend_dp_64 : dim == 128 ? attend_dp_128 : attend_dp_any;
+            }
+            attend(q + qo, k, v, out + qo, heads * dim, n, start[r] + t0, groups, scale, s, dim,
+                   bits ? bits + first[r] + t0 : NULL, start[r]);
+            free(s);
+            continue;
+        }
+#endif
         if (widened) {
             float *k32 = s + QB * (m + 8), *v32 = k32 + m * dim;
             widen(k32, k, m * dim);
