@@ -112,7 +112,7 @@ class DraftingConfig:
     """What proposes draft tokens and how many."""
     method: str = "ngram"                    # none | ngram | suffix | draft | hybrid
     num_speculative_tokens: int = 4          # draft length g (the maximum, when adaptive)
-    adaptive: bool = False                   # per-sequence g from its acceptance and measured costs; may be 0
+    adaptive: bool = True                    # per-sequence g from its acceptance and measured costs; may be 0
     hybrid_proposer: str = "ngram"           # hybrid's free first part: ngram | suffix
     draft_sample_method: str = "greedy"      # draft model: greedy (token only, one-hot q) | probabilistic (keeps q)
     ngram_min: int = 2                       # shortest suffix n-gram looked up

@@ -102,6 +102,7 @@ class BackendPlan:
     linear: str         # the measured plan per row count (calibrate.py) | panel-<dtype> | onednn-packed |
                         # planned: <plan> (forced) | torch
     norms: str          # fused | modules
+    mlp: str            # merged gate/up + silu_mul (with its measurement) | modules
     decoder: str        # cpu-loop | modules
     graphs: str         # captured | uncaptured | off
 

@@ -16,9 +16,10 @@ from dataclasses import replace
 import torch
 
 from ..backends.cpu.attention import RowAttention
-from ..backends.cpu.calibrate import Calibration, calibrate, calibrate_attention, measuring_alone
+from ..backends.cpu.calibrate import (Calibration, MlpPlan, calibrate, calibrate_attention, calibrate_mlp,
+                                      measuring_alone)
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
-from ..backends.cpu.fused import fuse
+from ..backends.cpu.fused import fuse, silu_mlps
 from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_weights,
                                    planned_linears)
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
@@ -133,7 +134,12 @@ class ModelRunner:
         # RMSNorms and SiLU MLPs as one pass each, gate and up as one linear, before the linears are
         # swapped below (the merged gate/up is a plain nn.Linear)
         self.cpu_fused = chosen.fused
-        self.fused_norms, self.fused_mlps = fuse(model, chosen.fused) if chosen.fused is not None else (0, 0)
+        self.mlp_plan: MlpPlan | None = None
+        merge = True
+        if chosen.fused is not None and kernels.cpu_fused == "auto" and silu_mlps(model):
+            self.mlp_plan = calibrate_mlp(silu_mlps(model)[0], chosen.fused)     # auto: the form measured faster
+            merge = self.mlp_plan.merged
+        self.fused_norms, self.fused_mlps = fuse(model, chosen.fused, merge) if chosen.fused is not None else (0, 0)
         # Linear weights held in the layout of each kernel the plan runs them with: our panel kernel for
         # few rows, oneDNN's packed linear (AMX tiles where the CPU has them) for many, as measured on this
         # machine (backends/cpu/calibrate.py); a step then streams the weights at memory speed, and
@@ -188,7 +194,9 @@ class ModelRunner:
                   else f"planned: {forced.describe()}" if forced is not None
                   else f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else "onednn-packed")
         graphs = "off" if self.graphs is None else "captured" if chosen.capture_graphs else "uncaptured"
-        return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules",
+        mlp = (self.mlp_plan.describe() if self.mlp_plan is not None
+               else "merged gate/up + silu_mul" if self.fused_mlps else "modules")
+        return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules", mlp,
                            "cpu-loop" if self.decoder is not None else "modules", graphs)
 
     @torch.inference_mode()

@@ -240,6 +240,37 @@ def test_attention_plan_measured_cached_and_applied(tmp_path, monkeypatch):
     assert not isinstance(build_runner(tiny_llama(seed=3), 2, 64, cpu_attention="on").cpu_attention, RowAttention)
 
 
+# One SmolLM2 layer's MLP (ms), modules against merged, on the AMX box (bf16 and fp32: ties there) and
+# the AMD box's fp32 prefill (bench/RESULTS.md, "CPU kernels": torch's SiLU and multiplies ~2x ours).
+MLP_TIMINGS = {"amx-bf16": {64: {"modules": 1.527, "merged": 1.431}, 2048: {"modules": 21.574, "merged": 21.701}},
+               "amx-fp32": {64: {"modules": 2.90, "merged": 2.93}, 2048: {"modules": 67.3, "merged": 69.3}},
+               "epyc-fp32": {64: {"modules": 3.1, "merged": 2.6}, 2048: {"modules": 95.0, "merged": 70.0}}}
+
+
+def test_mlp_form_from_recorded_timings():
+    """Merged only where it is faster in total and nowhere more than the tolerance slower."""
+    assert not cal.choose_merged(MLP_TIMINGS["amx-bf16"])          # 0.1 ms faster at 64, slower at 2048
+    assert not cal.choose_merged(MLP_TIMINGS["amx-fp32"])
+    assert cal.choose_merged(MLP_TIMINGS["epyc-fp32"])
+    assert not cal.choose_merged({64: {"modules": 1.0, "merged": 1.2}, 2048: {"modules": 100.0, "merged": 50.0}})
+
+
+def test_mlp_plan_measured_cached_and_applied(tmp_path, monkeypatch):
+    from pipeline.engine.backends.cpu import fused
+    model = tiny_llama(seed=3)
+    first = cal.calibrate_mlp(fused.silu_mlps(model)[0], fused.kernel(), tmp_path)
+    assert not first.cached and set(first.timings) == set(cal.MLP_ROWS)
+    assert first.merged == cal.choose_merged(first.timings)
+    again = cal.calibrate_mlp(fused.silu_mlps(model)[0], fused.kernel(), tmp_path)
+    assert again.cached and again.merged == first.merged
+    for name, merged in (("epyc-fp32", True), ("amx-fp32", False)):
+        monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path / name))      # a machine of each kind
+        monkeypatch.setattr(cal, "measure_mlp", lambda *a, _t=MLP_TIMINGS[name], **k: _t)
+        runner = build_runner(tiny_llama(seed=3 + merged), 2, 64)
+        assert runner.fused_mlps == (2 if merged else 0), name
+        assert runner.plan.mlp.startswith("merged" if merged else "modules"), runner.plan.mlp
+
+
 def test_near_equal_kernels_make_no_extra_switch():
     """oneDNN within 5% of the panel kernel at 1 row, behind at 2-4, ahead from 8: the plan does not
     switch to oneDNN for the one row where noise put it first."""

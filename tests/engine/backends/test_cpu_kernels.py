@@ -182,7 +182,7 @@ def test_a_model_with_panels_copies_and_pickles():
 def test_runner_takes_panels_everywhere_where_told():
     model = tiny_llama(seed=3)
     plain = copy.deepcopy(model)
-    runner = build_runner(model, 2, 64, cpu_linear="on")
+    runner = build_runner(model, 2, 64, cpu_linear="on", cpu_fused="on")
     num_linear = sum(type(m) is nn.Linear for m in plain.modules())      # gate + up: one linear (cpu_fused)
     assert runner.fused_mlps == 2
     assert runner.panel_linears == num_linear - runner.fused_mlps > 0 and runner.packed_linears == 0

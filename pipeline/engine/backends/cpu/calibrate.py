@@ -439,3 +439,76 @@ def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torc
         plan = AttentionPlan(key, timings, choose_sdpa_from(timings), time.perf_counter() - t0)
         return plan, plan.to_json()
     return _cached(folder or plans_folder(), "attention-plan", key, AttentionPlan.from_json, measured)
+
+
+MLP_ROWS = (64, 2048)                   # a decoding step's rows at batch, a prefill chunk's tokens
+
+
+@dataclass
+class MlpPlan:
+    """Whether the model's SiLU MLPs run merged (gate and up one linear, then our silu_mul in one
+    pass: fused.GateUpMLP) or as the model's modules (two linears, torch's silu, torch's multiply)."""
+    key: str
+    timings: dict[int, dict[str, float]]       # rows -> {"modules": ms, "merged": ms}, one layer's MLP
+    merged: bool
+    seconds: float
+    cached: bool = False
+
+    def describe(self) -> str:
+        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        return f"{'merged gate/up + silu_mul' if self.merged else 'modules'} ({how})"
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "key": self.key, "seconds": self.seconds, "merged": self.merged,
+                "timings": {str(n): t for n, t in self.timings.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MlpPlan":
+        if data.get("version") != VERSION:
+            raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
+        return cls(data["key"], {int(n): {k: float(v) for k, v in t.items()} for n, t in data["timings"].items()},
+                   bool(data["merged"]), float(data["seconds"]), cached=True)
+
+
+def choose_merged(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> bool:
+    """Merged where it is faster over all the row counts measured and more than `tolerance` slower at none."""
+    total = {form: sum(t[form] for t in timings.values()) for form in ("modules", "merged")}
+    return total["merged"] < total["modules"] and all(
+        t["merged"] <= t["modules"] * (1 + tolerance) for t in timings.values())
+
+
+def measure_mlp(mlp: torch.nn.Module, ops, rows: tuple[int, ...] = MLP_ROWS,
+                repeats: int = REPEATS) -> dict[int, dict[str, float]]:
+    """ms of one MLP forward over `rows` tokens as the modules and merged, interleaved."""
+    from .fused import GateUpMLP
+    merged = GateUpMLP(mlp, ops)
+    weight = mlp.gate_proj.weight
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype)
+            laps: dict[str, list[float]] = {"modules": [], "merged": []}
+            for rep in range(repeats + 1):              # one warm-up
+                for name, fn in (("modules", mlp), ("merged", merged)):
+                    t0 = time.perf_counter()
+                    fn(x)
+                    if rep >= 1:
+                        laps[name].append(time.perf_counter() - t0)
+            out[n] = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+    return out
+
+
+def calibrate_mlp(mlp: torch.nn.Module, ops, folder: Path | None = None) -> MlpPlan:
+    """The MLP form that runs faster on this machine for this MLP's shape and dtype (cached like the
+    linear plans)."""
+    weight = mlp.gate_proj.weight
+    key = _digest({"machine": machine(), "dtype": str(weight.dtype), "hidden": weight.shape[1],
+                   "inter": weight.shape[0], "build": getattr(ops, "build", None)})
+
+    def measured() -> tuple[MlpPlan, dict]:
+        t0 = time.perf_counter()
+        timings = measure_mlp(mlp, ops)
+        plan = MlpPlan(key, timings, choose_merged(timings), time.perf_counter() - t0)
+        return plan, plan.to_json()
+    return _cached(folder or plans_folder(), "mlp-plan", key, MlpPlan.from_json, measured)

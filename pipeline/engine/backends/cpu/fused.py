@@ -7,11 +7,10 @@ alone took 89 ms and the multiplies 166 ms; RMSNorm is five passes (pow, mean, a
 multiplies). Here:
   * RMSNorm modules of the model families below become `KernelRMSNorm`: one read of x, one write
     (fp32 and bf16);
-  * fp32 MLPs, down(silu(gate(x)) * up(x)), become `GateUpMLP`: gate and up are one linear of twice
-    the width (one weight stream, one kernel call instead of two), then silu(gate) * up in one pass.
-    bf16 MLPs keep their modules: a bf16 product kernel of ours (fused_ops.c says how) and torch's
-    ops on the halves of a merged gate/up both measured slower in a 2048-token prefill than the
-    module's contiguous gate and up (bench/step_split.py, bench/RESULTS.md, "CPU kernels").
+  * MLPs, down(silu(gate(x)) * up(x)), become `GateUpMLP`: gate and up are one linear of twice
+    the width (one weight stream, one kernel call instead of two), then silu(gate) * up in one pass,
+    where that measures faster on the machine than the modules (calibrate.py's MLP form: in bf16 on
+    the AMD box the modules won a 2048-token prefill, on the Intel AMX box the merged form).
 The new linears are plain `nn.Linear`s, so the runner's linear kernel (ours or oneDNN's) takes them
 like any other.
 
@@ -63,9 +62,10 @@ FLAGS = ("-ffp-contract=off",)      # no fused multiply-adds: RoPE rounds where 
 
 
 class FusedOps:
-    """The loaded kernels: `rms_norm`, `add_rms_norm`, `rope_store` (fp32 or bf16) and `silu_mul` (fp32)."""
+    """The loaded kernels: `rms_norm`, `add_rms_norm`, `rope_store` and `silu_mul`, fp32 or bf16."""
 
     def __init__(self, path: Path):
+        self.build = path.stem                          # the source's, compiler's and CPU's build (build.py)
         self._lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._norm, self._add_norm, self._rope = {}, {}, {}
@@ -83,9 +83,12 @@ class FusedOps:
                              ptr, ptr, ptr, ctypes.c_int]
             rope.restype = ctypes.c_int
             self._rope[dtype] = rope
-        self._silu = self._lib.silu_mul_f32
-        self._silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
-        self._silu.restype = ctypes.c_int
+        self._silu = {}
+        for dtype, suffix in DTYPES.items():
+            silu = getattr(self._lib, f"silu_mul_{suffix}")
+            silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+            silu.restype = ctypes.c_int
+            self._silu[dtype] = silu
 
     def __deepcopy__(self, memo):                       # one loaded library per process: copies share it
         return self
@@ -159,16 +162,17 @@ class FusedOps:
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., 2 * inter] fp32 (gate, then up): silu(gate) * up, [..., inter], in one pass."""
-        if gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2:
-            raise ValueError(f"silu_mul: {tuple(gate_up.shape)} {gate_up.dtype}: expected [..., 2 * inter] fp32")
+        """gate_up [..., 2 * inter] fp32 or bf16 (gate, then up): silu(gate) * up, [..., inter], in one
+        pass (bf16: inter a multiple of 8)."""
+        if gate_up.dtype not in DTYPES or gate_up.shape[-1] % 2:
+            raise ValueError(f"silu_mul: {tuple(gate_up.shape)} {gate_up.dtype}: expected [..., 2 * inter] fp32 or bf16")
         inter = gate_up.shape[-1] // 2
         gate_up = gate_up.contiguous()
         y = gate_up.new_empty((*gate_up.shape[:-1], inter))
         rows = y.numel() // inter if inter else 0
         if rows:
-            self._status(self._silu(gate_up.data_ptr(), y.data_ptr(), rows, inter, torch.get_num_threads()),
-                         "silu_mul")
+            self._status(self._silu[gate_up.dtype](gate_up.data_ptr(), y.data_ptr(), rows, inter,
+                                                   torch.get_num_threads()), "silu_mul")
         return y
 
     @staticmethod
@@ -215,24 +219,31 @@ class GateUpMLP(nn.Module):
 
 
 def _is_silu_mlp(module: nn.Module, mlp_classes: tuple[type, ...]) -> bool:
-    """An fp32 gated MLP of a known family with SiLU (what GateUpMLP computes)."""
+    """A gated MLP of a known family with SiLU (what GateUpMLP computes), fp32 or bf16."""
     from transformers.activations import SiLUActivation
     return type(module) in mlp_classes and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)) \
-        and module.gate_proj.weight.dtype == torch.float32 \
-        and (module.gate_proj.bias is None) == (module.up_proj.bias is None)
+        and module.gate_proj.weight.dtype in DTYPES \
+        and (module.gate_proj.bias is None) == (module.up_proj.bias is None) \
+        and (module.gate_proj.weight.dtype == torch.float32 or module.gate_proj.out_features % 8 == 0)
+
+
+def silu_mlps(model: nn.Module) -> list[nn.Module]:
+    """The model's MLPs that `fuse` can merge."""
+    mlp_classes = _classes(MLPS)
+    return [m for m in model.modules() if _is_silu_mlp(m, mlp_classes)]
 
 
 @torch.no_grad()
-def fuse(model: nn.Module, ops: FusedOps) -> tuple[int, int]:
-    """Replace the model's RMSNorms and fp32 SiLU MLPs of known families (NORMS, MLPS) in place by
-    KernelRMSNorm / GateUpMLP. Returns (norms, mlps) replaced. Call before the linears are swapped
-    for a kernel's (the new gate/up linear is a plain nn.Linear)."""
+def fuse(model: nn.Module, ops: FusedOps, merge_mlps: bool = True) -> tuple[int, int]:
+    """Replace the model's RMSNorms and (merge_mlps) SiLU MLPs of known families (NORMS, MLPS) in
+    place by KernelRMSNorm / GateUpMLP. Returns (norms, mlps) replaced. Call before the linears are
+    swapped for a kernel's (the new gate/up linear is a plain nn.Linear)."""
     norm_classes, mlp_classes = _classes(NORMS), _classes(MLPS)
     swaps = []
     for name, module in model.named_modules():
         if type(module) in norm_classes:
             swaps.append((name, KernelRMSNorm(module, ops), "norm"))
-        elif _is_silu_mlp(module, mlp_classes):
+        elif merge_mlps and _is_silu_mlp(module, mlp_classes):
             swaps.append((name, None, "mlp"))
     counts = {"norm": 0, "mlp": 0}
     for name, new, kind in swaps:    # MLPs one at a time: peak memory is one layer's gate/up copy
@@ -248,7 +259,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}          # bf16: one rou
 
 
 def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) -> float:
-    """The kernels against transformers' own LlamaRMSNorm (fp32 and bf16) and LlamaMLP (fp32), random
+    """The kernels against transformers' own LlamaRMSNorm and LlamaMLP (fp32 and bf16), random
     weights: the largest difference relative to the output's largest magnitude, over its tolerance."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
@@ -259,12 +270,11 @@ def check_against_modules(ops: FusedOps, sizes=SELF_CHECK_SIZES, seed: int = 0) 
         norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
         x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
         pairs = [(norm(x), KernelRMSNorm(norm, ops)(x))]
-        if dtype == torch.float32:                      # GateUpMLP is fp32 only (bf16 keeps its modules)
-            mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
-                                       num_attention_heads=1, num_key_value_heads=1))
-            for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                lin.weight.data = torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5
-            pairs.append((mlp(x), GateUpMLP(mlp, ops)(x)))
+        mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
+                                   num_attention_heads=1, num_key_value_heads=1))
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.weight.data = (torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5).to(dtype)
+        pairs.append((mlp(x), GateUpMLP(mlp, ops)(x)))
         delta = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
         residual = x.clone()
         normed = ops.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon)

@@ -15,10 +15,10 @@
  *                  is rounded to bf16 before the product with w, which is rounded again)
  *   add_rms_norm_* r, d, y [rows, dim]:  r = r + d (rounded to bf16 in bf16, as torch's add), then
  *                  y = rms_norm(r): a decoder layer's residual add and the next norm in one pass
- *   silu_mul_f32   gu [rows, 2 * inter] (gate, then up), y [rows, inter]:  y = silu(gate) * up
- *                  (silu(x) = x / (1 + e^-x)). fp32 only: a bf16 version (widen, silu, round, multiply,
- *                  round) measured 2.7 ms on [2048 x 2 * 1536] here against torch's 1.85 for its two
- *                  passes, so bf16 MLPs keep their modules (fused.py).
+ *   silu_mul_*     gu [rows, 2 * inter] (gate, then up), y [rows, inter]:  y = silu(gate) * up
+ *                  (silu(x) = x / (1 + e^-x)); in bf16 silu(gate) is rounded before the product,
+ *                  which is rounded again (torch's two ops). Whether a bf16 MLP takes it is measured
+ *                  on the machine (calibrate.py's MLP form).
  *   rope_store_*   the packed new tokens' q, k, v ([tokens, heads * dim] each, any row stride), cos and
  *                  sin [tokens, dim] (the model's rotary embedding at each token's position), the step's
  *                  row table [4, rows] (slot, start, num_new, first packed token): q_out [tokens, heads,
@@ -135,6 +135,19 @@ int silu_mul_f32(const float *gu, float *y, int64_t rows, int64_t inter, int num
         int64_t i = 0;
         for (; i + 8 <= inter; i += 8) store8(yr + i, silu8(load8(g + i)) * load8(u + i));
         for (; i < inter; i++) yr[i] = silu1(g[i]) * u[i];
+    }
+    return 0;
+}
+
+/* bf16: y = round(round(silu(gate)) * up), torch's two ops' roundings (inter a multiple of 8). */
+int silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t inter, int num_threads) {
+    if (inter % 8 != 0) return -2;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= MIN_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
+        uint16_t *yr = y + r * inter;
+        for (int64_t i = 0; i < inter; i += 8)
+            store8_bf16(yr + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
     }
     return 0;
 }
