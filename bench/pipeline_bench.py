@@ -1,6 +1,7 @@
 """The whole job against the engine alone, on the same real prompts and model.
 
     .venv/bin/python -m bench.pipeline_bench --suite --n 32 --max-tokens 64 --repeats 3 --out bench/out/pipeline.json
+    .venv/bin/python -m bench.pipeline_bench --suite --configs job-1w-2t processor-1r-2t --n 64 --max-tokens 128 --batch 32 --rows-per-unit 16 --repeats 3 --out bench/out/processor.json
 
 Each measurement runs in a fresh process (--one), alternating configurations across repeats:
 - engine:  build_engine + SpecEngine.run over the pre-tokenized prompts, all queued at once, after a
@@ -9,6 +10,9 @@ Each measurement runs in a fresh process (--one), alternating configurations acr
            from Parquet shards, tokenized in the worker, outputs committed to local disk. Reported:
            wall (plan -> _SUCCESS, incl. Ray start and model load), workers_ready (actor start + load)
            and generate (first unit handed out -> last unit committed).
+- processor: the same rows through the Ray Data processor (pipeline/processor/) on a local Ray it
+           starts, one replica: read_parquet -> processor -> rows back. Reported: wall (Ray start ->
+           last row, incl. actor start and model load), compared with the job's wall.
 Pipeline overhead at 1 worker = job generate time / engine time - 1, with the same threads.
 Nothing else may run on the machine meanwhile (2 cores).
 """
@@ -36,6 +40,7 @@ CONFIGS = {   # name -> (mode, workers, threads per worker)
     "engine-1t": ("engine", 1, 1),
     "job-1w-1t": ("job", 1, 1),
     "job-2w-1t": ("job", 2, 1),
+    "processor-1r-2t": ("processor", 1, 2),
 }
 
 
@@ -104,9 +109,38 @@ def run_job_once(args, workers: int, threads: int) -> dict:
             "outputs": {c["id"]: c["token_ids"] for c in comps}}
 
 
+def run_processor_once(args, replicas: int, threads: int) -> dict:
+    """The same rows, model and engine settings through the Ray Data processor on a local Ray it
+    starts: read_parquet -> processor -> rows back to the driver. wall: Ray start to the last row."""
+    import ray
+    import ray.data
+
+    from pipeline.cluster.driver import connect
+    from pipeline.job.config import ClusterConfig, load_config
+    from pipeline.processor import SpecpipeProcessorConfig, build_processor
+    cfg = load_config(None, job_overrides(args, replicas, threads, Path("/tmp/unused")))
+    t0 = time.perf_counter()
+    connect(ClusterConfig(), replicas * threads)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = SpecpipeProcessorConfig(models=cfg.models, drafting=cfg.drafting, engine=cfg.engine,
+                                     sampling=cfg.sampling, batch_size=args.rows_per_unit, concurrency=replicas,
+                                     num_cpus=threads, id_column="id")
+    out = build_processor(config)(ray.data.read_parquet(args.shards)).select_columns(
+        ["id", "generated_tokens", "error"]).take_all()
+    wall = time.perf_counter() - t0
+    ray.shutdown()
+    if any(r["error"] for r in out):
+        raise SystemExit(f"processor rows failed: {[r['error'] for r in out if r['error']][:3]}")
+    tokens = sum(len(r["generated_tokens"]) for r in out)
+    return {"tokens": tokens, "wall_s": wall, "end_to_end_tokens_per_s": tokens / wall,
+            "outputs": {r["id"]: list(r["generated_tokens"]) for r in out}}
+
+
 def one(args) -> None:
     mode, workers, threads = CONFIGS[args.one]
-    result = run_engine(args, threads) if mode == "engine" else run_job_once(args, workers, threads)
+    run = {"engine": lambda: run_engine(args, threads), "job": lambda: run_job_once(args, workers, threads),
+           "processor": lambda: run_processor_once(args, workers, threads)}[mode]
+    result = run()
     print("RESULT " + json.dumps(result))
 
 
@@ -123,9 +157,10 @@ def suite(args) -> None:
                 raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
             results[name].append(json.loads(line[0][7:]))
             r = results[name][-1]
-            print(f"rep {rep} {name}: {r['tokens']} tokens, generate {r['generate_s']:.1f} s, "
-                  f"{r['tokens_per_s']:.1f} tok/s" + (f", wall {r['wall_s']:.1f} s" if "wall_s" in r else ""),
-                  flush=True)
+            gen = f", generate {r['generate_s']:.1f} s, {r['tokens_per_s']:.1f} tok/s" if "generate_s" in r else ""
+            print(f"rep {rep} {name}: {r['tokens']} tokens{gen}"
+                  + (f", wall {r['wall_s']:.1f} s ({r['end_to_end_tokens_per_s']:.1f} tok/s end to end)"
+                     if "wall_s" in r else ""), flush=True)
     reference = next(iter(results.values()))[0]["outputs"]
     summary = {"n_prompts": len(rows), "max_tokens": args.max_tokens, "batch": args.batch,
                "rows_per_unit": args.rows_per_unit, "repeats": args.repeats, "model": MODEL, "configs": {}}
@@ -134,6 +169,9 @@ def suite(args) -> None:
         entry["identical_to_engine"] = sum(r["outputs"] == reference for r in runs) / len(runs)
         summary["configs"][name] = entry
     c = summary["configs"]
+    if {"processor-1r-2t", "job-1w-2t"} <= set(c):
+        summary["processor_vs_job_end_to_end_1w_2t"] = (c["processor-1r-2t"]["end_to_end_tokens_per_s"]["median"]
+                                                        / c["job-1w-2t"]["end_to_end_tokens_per_s"]["median"])
     if set(c) != set(CONFIGS):
         return _write(args, summary)
     summary["overhead_1w_2t"] = c["job-1w-2t"]["generate_s"]["median"] / c["engine-2t"]["generate_s"]["median"] - 1

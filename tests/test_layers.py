@@ -30,6 +30,7 @@ LAYERS = [                                     # ground floor first
     ["pipeline.job"],
     ["pipeline.report"],
     ["pipeline.cluster"],
+    ["pipeline.processor"],
     ["pipeline.synthetic"],
     ["pipeline.cli", "pipeline"],
 ]

@@ -42,19 +42,30 @@ class Recorder:
             self.stats["rows"] += 1
 
     def round_row(self, r: RoundRecord, uid: str) -> dict:
-        return {"id": r.request_id, "round": r.round, "draft_len": r.draft_len, "accepted": r.accepted,
-                "emitted": r.emitted, "accepted_mask": list(r.accepted_mask),
-                "first_rejected": r.first_rejected, "batch_size": r.batch_size,
-                "draft_s": r.draft_s, "verify_s": r.verify_s, "step": r.step, "forced": r.forced,
-                "forced_accepted": r.forced_accepted, "paths": r.paths, "worker": self.worker, "unit": uid}
+        return round_row(r, self.worker, uid)
 
     def completion_row(self, c: Completion, unit: Unit, index: int, latency: float) -> dict:
-        n = len(c.output_ids)
-        return {"id": c.request_id, "text": c.text, "token_ids": c.output_ids, "finish_reason": c.finish_reason,
-                "prompt_tokens": c.prompt_len, "completion_tokens": n, "rounds": c.num_rounds,
-                "draft_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted,
-                "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
-                "mean_accepted_length": n / c.num_rounds if c.num_rounds else None, "seed": c.seed,
-                **self.stamp, "unit": unit.uid, "source_file": unit.file,
-                "source_row": index, "worker": self.worker, "latency_s": latency,
-                **structured_columns(c)}
+        return completion_row(c, self.stamp, self.worker, unit.uid, unit.file, index, latency)
+
+
+def round_row(r: RoundRecord, worker: str, uid: str) -> dict:
+    """A row of the rounds table."""
+    return {"id": r.request_id, "round": r.round, "draft_len": r.draft_len, "accepted": r.accepted,
+            "emitted": r.emitted, "accepted_mask": list(r.accepted_mask),
+            "first_rejected": r.first_rejected, "batch_size": r.batch_size,
+            "draft_s": r.draft_s, "verify_s": r.verify_s, "step": r.step, "forced": r.forced,
+            "forced_accepted": r.forced_accepted, "paths": r.paths, "worker": worker, "unit": uid}
+
+
+def completion_row(c: Completion, stamp: dict, worker: str, uid: str, source_file: str | None,
+                   index: int | None, latency: float) -> dict:
+    """A row of the completions table; `stamp`: the run's columns (models, dtype, drafter, config hash, run id)."""
+    n = len(c.output_ids)
+    return {"id": c.request_id, "text": c.text, "token_ids": c.output_ids, "finish_reason": c.finish_reason,
+            "prompt_tokens": c.prompt_len, "completion_tokens": n, "rounds": c.num_rounds,
+            "draft_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted,
+            "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
+            "mean_accepted_length": n / c.num_rounds if c.num_rounds else None, "seed": c.seed,
+            **stamp, "unit": uid, "source_file": source_file,
+            "source_row": index, "worker": worker, "latency_s": latency,
+            **structured_columns(c)}

@@ -93,7 +93,7 @@ class GenerationWorker:
         # cores the model's OpenMP threads are using (measured: +50% step time at 2 threads/2 cores).
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         torch.set_num_threads(self._threads)
-        self.loaded = build_engine(self.cfg.models, self.cfg.drafting, self.cfg.engine)
+        self.loaded = build_engine(self.cfg.models, self.cfg.drafting, self.cfg.engine, storage=self.cfg.storage)
         self._metrics = WorkerMetrics(self.name, self.cfg.run.run_id, enabled=self.cfg.run.metrics)
         self._loop = self._engine_loop()
         self._loop.start()

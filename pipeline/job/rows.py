@@ -60,7 +60,7 @@ def _as_text(value) -> str | None:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _messages(value, field: str) -> list[dict]:
+def messages_of(value, field: str) -> list[dict]:
     ok = isinstance(value, list) and value and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in value)
@@ -70,7 +70,7 @@ def _messages(value, field: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _overrides(row: dict) -> dict:
+def sampling_overrides(row: dict) -> dict:
     out = {}
     for key, kind in ROW_OVERRIDES.items():
         value = row.get(key)
@@ -95,7 +95,7 @@ def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: Sam
     rid = row_id(row, index, rel, inp)
     messages = row.get(inp.messages_column)
     if messages is not None:
-        messages, prompt = _messages(messages, inp.messages_column), None
+        messages, prompt = messages_of(messages, inp.messages_column), None
     else:
         prompt = row.get(inp.prompt_column)
         if prompt is not None and not isinstance(prompt, str):
@@ -103,7 +103,7 @@ def row_request(row: dict, index: int, rel: str, inp: InputConfig, sampling: Sam
                            f"expected a string, got {type(prompt).__name__}")
         if prompt is None or not prompt.strip():
             raise RowError("empty_prompt", inp.prompt_column, f"expected a non-empty string, got {prompt!r}")
-    overrides = _overrides(row)
+    overrides = sampling_overrides(row)
     fmt = row.get(inp.response_format_column)
     if fmt is not None:
         overrides["response_format"] = fmt

@@ -14,6 +14,8 @@ from ..engine.config import AUTO
 from ..engine.grammar.library import Grammars
 from ..engine.model.hf_config import reject_unsupported, text_config
 from ..engine.model.slots import choose_max_num_seqs
+from ..io.reader import storage_options
+from ..io.storage import StorageConfig
 from ..loading.hardware import DtypeChoice, resolve_dtype
 from ..loading.models import ModelSpec, check_vocab_compatible, load_model, model_id
 from .config import SAME, ModelsConfig
@@ -57,18 +59,24 @@ def resolve_draft_dtype(models: ModelsConfig, target: DtypeChoice) -> DtypeChoic
 
 
 def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: EngineConfig,
-                 kernels: Kernels | None = None) -> LoadedEngine:
+                 kernels: Kernels | None = None, storage: StorageConfig | None = None) -> LoadedEngine:
     """Load target (+ draft) in the dtypes `models.dtype` / `models.draft_dtype` resolve to on this
     machine's hardware; size the slot stores (engine.max_num_seqs, auto: from both models' KV needs);
-    build the runners on the backend plan and the drafter `drafting.method` names."""
+    build the runners on the backend plan and the drafter `drafting.method` names. `storage`: access
+    to models kept in object storage."""
+    storage = storage or StorageConfig()
+
+    def options(source: str) -> dict | None:
+        return storage_options(source, storage) if "://" in source else None
     dtype = resolve_dtype(models.dtype, models.device)
-    spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code)
+    spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code, options(models.target))
     target, tokenizer = load_model(spec)
     reject_unsupported(target.config, engine_cfg.max_model_len)
     draft, draft_id, draft_dtype = None, None, None
     if drafting.uses_draft_model:
         draft_dtype = resolve_draft_dtype(models, dtype)
-        dspec = ModelSpec(models.draft, draft_dtype.dtype, models.device, models.trust_remote_code)
+        dspec = ModelSpec(models.draft, draft_dtype.dtype, models.device, models.trust_remote_code,
+                          options(models.draft))
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, engine_cfg.max_model_len)

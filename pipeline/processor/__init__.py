@@ -1,0 +1,79 @@
+"""specpipe inside Ray Data pipelines: `build_processor` with Ray Data LLM's signature.
+
+    from pipeline.processor import SpecpipeProcessorConfig, build_processor
+
+    processor = build_processor(
+        SpecpipeProcessorConfig(models={"target": "smollm2-135m-instruct"}, drafting={"method": "ngram"},
+                                sampling={"max_tokens": 128}, batch_size=32, concurrency=2, num_cpus=2),
+        preprocess=lambda row: {"messages": [{"role": "user", "content": row["question"]}], **row},
+        postprocess=lambda row: {"answer": row["generated_text"], **row})
+    ds = processor(ray.data.read_parquet("prompts/"))
+
+The processor is `preprocess` (a row map), the stage (stage.py: an actor pool, one engine per
+replica, rows in -> rows out with the columns of rows.py's OUTPUT) and `postprocess` (a row map).
+Ray Data LLM's own `build_processor` finds processors through a registry that is internal to Ray
+(`ray.llm._internal`), so specpipe's processor is built here, with the same signature; a pipeline
+switches by changing its config class and the import.
+
+Knows Ray Data's Dataset API; the row contract is rows.py's, the replica stage.py's.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .config import SpecpipeProcessorConfig
+from .rows import OUTPUT
+from .stage import SpecpipeStage, config_digest
+
+__all__ = ["OUTPUT", "Processor", "SpecpipeProcessorConfig", "build_processor"]
+
+
+class Processor:
+    """Callable on a `ray.data.Dataset`: returns the dataset with generated columns (lazily, as Ray Data does)."""
+
+    def __init__(self, config: SpecpipeProcessorConfig, preprocess: Optional[Callable] = None,
+                 postprocess: Optional[Callable] = None, preprocess_map_kwargs: Optional[dict] = None,
+                 postprocess_map_kwargs: Optional[dict] = None):
+        self.config = config
+        self.preprocess, self.postprocess = preprocess, postprocess
+        self.preprocess_map_kwargs = preprocess_map_kwargs or {}
+        self.postprocess_map_kwargs = postprocess_map_kwargs or {}
+        if config.rounds_path:
+            _prepare_rounds_log(config)
+
+    def __call__(self, dataset):
+        import ray.data
+        cfg = self.config
+        if self.preprocess is not None:
+            dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
+        lo, hi = cfg.concurrency
+        remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
+        if cfg.accelerator_type is not None:
+            remote["accelerator_type"] = cfg.accelerator_type
+        dataset = dataset.map_batches(
+            SpecpipeStage, fn_constructor_args=(cfg,), batch_size=cfg.batch_size, batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,
+                                               max_tasks_in_flight_per_actor=cfg.batches_per_replica),
+            max_concurrency=cfg.batches_per_replica, zero_copy_batch=True, **remote)
+        if self.postprocess is not None:
+            dataset = dataset.map(self.postprocess, **self.postprocess_map_kwargs)
+        return dataset
+
+
+def build_processor(config: SpecpipeProcessorConfig, preprocess: Optional[Callable] = None,
+                    postprocess: Optional[Callable] = None, preprocess_map_kwargs: Optional[dict] = None,
+                    postprocess_map_kwargs: Optional[dict] = None, **unsupported: Any) -> Processor:
+    """Ray Data LLM's `build_processor(config, preprocess, postprocess, ...)` for specpipe."""
+    if not isinstance(config, SpecpipeProcessorConfig):
+        raise TypeError(f"config: expected SpecpipeProcessorConfig, got {type(config).__name__}")
+    if unsupported:
+        raise TypeError(f"build_processor: unsupported arguments {sorted(unsupported)}")
+    return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
+
+
+def _prepare_rounds_log(config: SpecpipeProcessorConfig) -> None:
+    """The rounds log's run folder: its config and an open plan (units are the batches, as they come)."""
+    from ..io.writer import RunOutput
+    tree = config.tree()
+    RunOutput(config.rounds_path, config.run_id, config.storage).prepare(
+        [], config_digest(config), tree, tree, resume=True)

@@ -1,0 +1,224 @@
+"""The processor's stage: a Ray Data actor holding one engine that stays full across batches.
+
+`SpecpipeStage` is the class `map_batches` runs on an actor pool. Its `__call__` is a coroutine:
+Ray Data hands one replica several batches at once (`batches_per_replica`), each call queues its
+rows on the replica's one engine (`EngineThread`, which steps it continuously) and awaits them, so
+the next batch's rows join the running batch as the earlier rows finish: the engine's batch never
+drains to zero at a batch boundary. A bad row is answered at once (rows.py) and never reaches the
+engine; one that the engine refuses (a prompt too long, a response_format that does not compile)
+is answered with the engine's reason.
+
+Rounds log (`rounds_path`): each call writes its rows' completions, rounds and errors as one unit of a
+run folder, through the job's writer (stage -> marker -> publish), so `python -m pipeline.report`
+and the acceptance notebook read a processor run as they read a job's.
+
+Knows Ray Data's actor-UDF shape (an async __call__ over Arrow batches), the engine's step API and the
+writer; the row contract is rows.py's.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+import pyarrow as pa
+
+from ..cluster.records import completion_row, round_row
+from ..engine import Completion, RequestError, StepOutput
+from ..io.schema import to_table
+from ..io.writer import RunOutput
+from ..job.rows import RowError
+from .config import SpecpipeProcessorConfig
+from .rows import RowInput, error_row, output_row, row_input, with_output
+
+log = logging.getLogger(__name__)
+STATS_EVERY_S = 30.0          # how often a replica logs its tokens/s and acceptance
+
+
+class EngineThread:
+    """Steps one engine on its own thread. `submit` (any thread) queues a request and returns a future
+    of its Completion (or the RequestError the engine refused it with). Only this thread touches the
+    engine. If a step raises, the thread stops and every pending and later request fails with it."""
+
+    def __init__(self, engine, num_threads: int, on_step=None):
+        self.engine, self.num_threads, self.on_step = engine, num_threads, on_step
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending: dict[str, Future] = {}
+        self.error: BaseException | None = None
+        self.stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "step_s": 0.0}
+        threading.Thread(target=self._run, name="specpipe-engine", daemon=True).start()
+
+    def submit(self, request_id: str, row: RowInput) -> Future:
+        future: Future = Future()
+        if self.error is not None:
+            future.set_exception(RuntimeError(f"the engine stopped: {self.error!r}"))
+        else:
+            self._inbox.put((request_id, row, future))
+        return future
+
+    def _run(self) -> None:
+        import torch
+        torch.set_num_threads(self.num_threads)       # OpenMP thread counts are per thread
+        try:
+            while True:
+                self._admit(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 -- every waiting row must hear about it
+            self.error = e
+            log.exception("engine thread stopped")
+            for future in self._pending.values():
+                future.set_exception(RuntimeError(f"the engine stopped: {e!r}"))
+            while not self._inbox.empty():
+                self._inbox.get()[2].set_exception(RuntimeError(f"the engine stopped: {e!r}"))
+
+    def _admit(self, block: bool) -> None:
+        while True:
+            try:
+                request_id, row, future = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            try:
+                self.engine.add_request(request_id, row.prompt_ids, row.params, row.seed)
+            except RequestError as e:
+                future.set_exception(e)
+                continue
+            self._pending[request_id] = future
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        out: StepOutput = self.engine.step()
+        s = self.stats
+        s["step_s"] += time.perf_counter() - t0
+        s["steps"] += 1
+        for r in out.rounds:
+            s["tokens"] += r.emitted
+            s["drafted"] += r.draft_len
+            s["accepted"] += r.accepted
+        if self.on_step is not None:
+            self.on_step(out)
+        for c in out.finished:
+            s["rows"] += 1
+            self._pending.pop(c.request_id).set_result(c)
+
+
+class SpecpipeStage:
+    """The map_batches UDF: one engine per replica, rows in and out as Arrow batches."""
+
+    def __init__(self, config: SpecpipeProcessorConfig):
+        import torch
+
+        from ..job.runtime import build_engine
+        self.config = config
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"   # tokenizing between steps; its pool would spin
+        torch.set_num_threads(config.threads)
+        t0 = time.perf_counter()
+        self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage)
+        self.name = f"replica-{uuid.uuid4().hex[:8]}"
+        self._ids = itertools.count()
+        self._in_flight: set[str] = set()
+        self._rounds: dict[str, list[dict]] = {}        # request id -> its round rows (rounds log only)
+        self._engine = EngineThread(self.loaded.engine, config.threads,
+                                    self._keep_rounds if config.rounds_path else None)
+        self._output = (RunOutput(config.rounds_path, config.run_id, config.storage)
+                        if config.rounds_path else None)
+        self._stamp = {"target_model": self.loaded.target_id, "draft_model": self.loaded.draft_id,
+                       "model_dtype": self.loaded.dtype.dtype, "drafter": config.drafting.method,
+                       "config_hash": config_digest(config), "run_id": config.run_id}
+        self._t0, self._last_log = time.perf_counter(), time.perf_counter()
+        log.info("%s loaded in %.1f s: %s; max_num_seqs %d%s", self.name, time.perf_counter() - t0,
+                 "; ".join(self.loaded.plan_lines()), self.loaded.engine.config.max_num_seqs,
+                 f" ({self.loaded.slots_reason})" if self.loaded.slots_reason else "")
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        out: list[dict | None] = [None] * len(rows)
+        waiting: list[tuple[int, str, asyncio.Future]] = []
+        errors: list[dict] = []
+        t0 = time.perf_counter()
+        for i, row in enumerate(rows):
+            try:
+                req = row_input(row, self.config.sampling, self.loaded.tokenizer, self.config.id_column,
+                                self.config.seed)
+            except RowError as e:
+                out[i] = self._refused(e, errors, row)
+                continue
+            rid = self._request_id(req.key)
+            waiting.append((i, rid, asyncio.wrap_future(self._engine.submit(rid, req))))
+        done: list[tuple[Completion, float]] = []
+        for i, rid, future in waiting:
+            try:
+                c = await future
+            except RequestError as e:
+                out[i] = self._refused(e, errors, rows[i], rid)
+            else:
+                out[i] = output_row(c)
+                done.append((c, time.perf_counter() - t0))
+            finally:
+                self._in_flight.discard(rid)
+        if self._output is not None:
+            self._log_unit(done, errors)
+        self._maybe_log_stats()
+        return with_output(batch, out)
+
+    def _request_id(self, key: str) -> str:
+        """The row's key, unless a row with the same key is in flight here (then a numbered copy)."""
+        rid = key
+        while rid in self._in_flight:
+            rid = f"{key}#{next(self._ids)}"
+        self._in_flight.add(rid)
+        return rid
+
+    def _refused(self, e: RowError | RequestError, errors: list[dict], row: dict, rid: str | None = None) -> dict:
+        if not self.config.should_continue_on_error:
+            raise ValueError(f"bad row ({e}); should_continue_on_error=False") from None
+        result = error_row(e)
+        if isinstance(e, RequestError):
+            e = RowError(e.code, e.field, str(e).split(": ", 1)[-1])
+        key = rid or (str(row.get(self.config.id_column)) if self.config.id_column else None)
+        errors.append({"id": key, "reason": e.reason, "field": e.field, "message": e.message,
+                       "source_file": None, "source_row": None, "unit": None, "run_id": self.config.run_id,
+                       "config_hash": self._stamp["config_hash"]})
+        return result
+
+    # ---- the rounds log ------------------------------------------------------------------------
+    def _keep_rounds(self, out: StepOutput) -> None:            # on the engine thread
+        for r in out.rounds:
+            self._rounds.setdefault(r.request_id, []).append(round_row(r, self.name, ""))
+
+    def _log_unit(self, done: list[tuple[Completion, float]], errors: list[dict]) -> None:
+        uid = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        completions = [completion_row(c, self._stamp, self.name, uid, None, None, latency) for c, latency in done]
+        rounds = [{**r, "unit": uid} for c, _ in done for r in self._rounds.pop(c.request_id, [])]
+        for e in errors:
+            e["unit"] = uid
+        tables = {"completions": to_table("completions", completions), "rounds": to_table("rounds", rounds),
+                  "errors": to_table("errors", errors)}
+        self._output.write_unit(uid, tables, {"rows": len(done) + len(errors), "worker": self.name})
+
+    def _maybe_log_stats(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_log < STATS_EVERY_S:
+            return
+        self._last_log = now
+        s = self._engine.stats
+        rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+        log.info("%s: %d rows, %d tokens, %.1f tokens/s, acceptance %.2f, %d steps",
+                 self.name, s["rows"], s["tokens"], s["tokens"] / max(now - self._t0, 1e-9), rate, s["steps"])
+
+
+def config_digest(config: SpecpipeProcessorConfig) -> str:
+    """Short hash of what determines the output: the engine sections and the seeding."""
+    import hashlib
+    import json
+    tree = config.tree()
+    kept = {k: tree[k] for k in ("models", "drafting", "sampling", "id_column", "seed")}
+    kept["engine"] = {k: v for k, v in tree["engine"].items() if k not in ("kernels", "compile", "cuda_graphs")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
