@@ -120,7 +120,7 @@ def run_processor_once(args, replicas: int, threads: int) -> dict:
     from pipeline.processor import SpecpipeProcessorConfig, build_processor
     cfg = load_config(None, job_overrides(args, replicas, threads, Path("/tmp/unused")))
     t0 = time.perf_counter()
-    connect(ClusterConfig(), replicas * threads)
+    connect(ClusterConfig(), replicas * threads + 1)          # + 1: Ray Data's read tasks beside the replicas
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = SpecpipeProcessorConfig(models=cfg.models, drafting=cfg.drafting, engine=cfg.engine,
                                      sampling=cfg.sampling, batch_size=args.rows_per_unit, concurrency=replicas,

@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     from pipeline.cluster.driver import connect
     from pipeline.job.config import ClusterConfig
     from pipeline.processor import SpecpipeProcessorConfig, build_processor
-    started = connect(ClusterConfig(address=args.address), args.replicas * args.cpus_per_replica)
+    # + 1 CPU for Ray Data's read and write tasks beside the replicas (a local Ray of exactly the replicas' CPUs
+    # would leave the reads none, and the dataset would wait forever)
+    started = connect(ClusterConfig(address=args.address), args.replicas * args.cpus_per_replica + 1)
     try:
         ctx = ray.data.DataContext.get_current()
         if args.checkpoint:

@@ -19,6 +19,7 @@ Knows Ray Data's Dataset API; the row contract is rows.py's, the replica stage.p
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 from .config import SpecpipeProcessorConfig
@@ -26,6 +27,7 @@ from .rows import OUTPUT
 from .stage import SpecpipeStage, config_digest
 
 __all__ = ["OUTPUT", "Processor", "SpecpipeProcessorConfig", "build_processor"]
+log = logging.getLogger(__name__)
 
 
 class Processor:
@@ -42,11 +44,17 @@ class Processor:
             _prepare_rounds_log(config)
 
     def __call__(self, dataset):
+        import ray
         import ray.data
         cfg = self.config
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
         lo, hi = cfg.concurrency
+        cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
+        if cpus and lo * cfg.num_cpus >= cpus:
+            log.warning("the processor's %d replica(s) x %s CPUs take all %s CPUs of the cluster: Ray Data's read "
+                        "and write tasks get none and the dataset waits until the cluster grows; give the "
+                        "replicas fewer CPUs (num_cpus) or the cluster more", lo, cfg.num_cpus, cpus)
         remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type

@@ -193,3 +193,18 @@ def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, ray_head, tmp
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     ids = _output_ids(tmp_path / "out")
     assert sorted(ids) == sorted(r["id"] for r in rows), (len(ids), len(set(ids)))
+
+
+@pytest.mark.slow
+def test_replicas_taking_every_cpu_are_warned_about(tiny_model_dir, ray_session, caplog):
+    """Replicas holding all of the cluster's CPUs leave Ray Data's reads none (the dataset would wait):
+    building the pipeline says so (lazily: nothing runs here)."""
+    import ray.data
+    cpus = ray_session.cluster_resources()["CPU"]
+    with caplog.at_level("WARNING", logger="pipeline.processor"):
+        build_processor(processor_config(tiny_model_dir, num_cpus=cpus))(ray.data.from_items([{"prompt": "x"}]))
+    assert "take all" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.processor"):
+        build_processor(processor_config(tiny_model_dir, num_cpus=1))(ray.data.from_items([{"prompt": "x"}]))
+    assert "take all" not in caplog.text

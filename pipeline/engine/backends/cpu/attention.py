@@ -20,8 +20,9 @@ ours won at every length. `RowAttention` sends the rows of at least `sdpa_from` 
 the rest to ours; calibrate.py measures where (if anywhere) that pays on the machine.
 
 Scope: fp32 or bf16 stores (a bf16 model's: keys and values are widened to fp32 as they are read,
-or, on CPUs with AVX512_BF16, the scores taken straight from the bf16 keys by its dot-product
-instruction; the queries and the output converted around the call; fp32 accumulation either way), head sizes
+or, on CPUs with AVX512_BF16, a decoding step's scores taken straight from the bf16 keys by the
+dot-product instruction; the queries and the output converted around the call; fp32 accumulation
+either way), head sizes
 that are multiples of 8 up to 256 (64 and 128 get unrolled loops). Elsewhere (CUDA, float16) the
 runner keeps torch's kernels (backends/flex.py, model/attention.py).
 

@@ -5,9 +5,8 @@
  * Built by pipeline/engine/backends/cpu/attention.py with the system C compiler (-O3, the host's vector
  * instructions, OpenMP) the first time a runner needs it, and loaded with ctypes. Portable C with
  * GCC (>= 12) / Clang vector extensions, so the same source builds for AVX2, AVX-512 and NEON; on
- * CPUs with AVX512_BF16 a bf16 store takes its own path with intrinsics (ATTEND_DP below: a decoding
- * step's attention over 64 rows of ~330 keys, SmolLM2's shape, 1.4-1.6x faster there on an Intel
- * Xeon with AMX; tasks of many queries, prompt rows, ~0.8x, where calibrate.py may send them to SDPA).
+ * CPUs with AVX512_BF16 a bf16 store's tasks of few queries take their own path with intrinsics
+ * (ATTEND_DP below).
  *
  * Layouts (all contiguous, row-major):
  *   q, out       [num_tokens, heads, dim]          fp32, packed new tokens, row after row
@@ -172,23 +171,25 @@ ATTEND(attend_64_bf16, 64, uint16_t, load8_bf16)
 ATTEND(attend_128_bf16, 128, uint16_t, load8_bf16)
 ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
 
-/* bf16 stores on CPUs with AVX512_BF16 (Intel from Cooper Lake and Sapphire Rapids, AMD from Zen 4):
- * the scores by VDPBF16PS, a dot product of bf16 pairs accumulated in fp32, read straight from the
- * store (no widening): 32 key elements per instruction against 8 widened ones above. A product of
- * two bf16 is exact in fp32, so each step is an fp32 fused multiply-add, as above, in another
- * order. The queries are split into bf16 parts, q = hi + mid + lo to fp32 precision: a bf16
- * model's queries are bf16 values (mid and lo zero, skipped when every query of a block is), an
- * fp32 query loses nothing. p V in sixteen fp32 lanes, each value vector widened once per QB
- * queries (or once per task, `VT` float, when the task's queries take many passes). The
- * arithmetic of one query does not depend on the others of its block, as above.
- * DIM: a multiple of 32. */
+/* Tasks of few queries (a decoding step's rows, a batch-1 path's blocks) over bf16 stores on CPUs with
+ * AVX512_BF16 (Intel from Cooper Lake and Sapphire Rapids, AMD from Zen 4): the scores by VDPBF16PS,
+ * a dot product of bf16 pairs accumulated in fp32, read straight from the store (no widening): 32 key
+ * elements per instruction against 8 widened ones above, the next keys and values prefetched. Such
+ * tasks wait on memory (each key is used by at most 2 * QB queries), and this path streams a 64-row
+ * decoding step's store 1.6x faster here; tasks of many queries are compute-bound and take ATTEND
+ * over keys widened once, which is faster there (bench/RESULTS.md, "Attention"). A product of two
+ * bf16 is exact in fp32, so each step is an fp32 fused multiply-add, as in ATTEND, in another order:
+ * a token's output here and in a many-query task agree to fp32 rounding, not bitwise. The queries
+ * are split into bf16 parts, q = hi + mid + lo to fp32 precision: a bf16 model's queries are bf16
+ * values (mid and lo zero, skipped when every query of a block is), an fp32 query loses nothing.
+ * p V in sixteen fp32 lanes. The arithmetic of one query does not depend on the others of its
+ * block, as in ATTEND. DIM: a multiple of 32. */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define DP_BF16 1
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16x __attribute__((vector_size(64)));
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline v16 load16_bf16(const uint16_t *p) {
     return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
@@ -254,12 +255,12 @@ static int split_query(const float *q, uint16_t *dst, int64_t dim) {
 
 #define AHEAD 32                                          /* keys / values prefetched ahead */
 #define OUT16 8                                           /* 16-lane output vectors per query per pass */
-#define ATTEND_DP(NAME, DIM, VT, LOADV)                                                                \
+#define ATTEND_DP(NAME, DIM)                                                                           \
 static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int64_t tok_stride,      \
                  int64_t n, int64_t p0, int64_t groups, float scale, float *s, int64_t dim,           \
                  const int64_t *bits, int64_t base) {                                                 \
     const uint16_t *K = Kv;                                                                            \
-    const VT *V = Vv;                                                                                  \
+    const uint16_t *V = Vv;                                                                            \
     (void)dim;                                                                                         \
     int64_t stride = p0 + n + 8;                                                                       \
     uint16_t qs[QB][QPARTS][MAX_DIM_DP] __attribute__((aligned(64)));                                  \
@@ -294,12 +295,12 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
             int nc = DIM / 16 - c0 < OUT16 ? DIM / 16 - c0 : OUT16;                                    \
             v16 o[QB][OUT16] = {{0}};                                                                  \
             for (int64_t l = 0; l < m; l++) {                                                          \
-                for (int64_t b = 0; first_pass && b < DIM * (int64_t)sizeof(VT); b += 64)              \
+                for (int64_t b = 0; first_pass && b < DIM * 2; b += 64)                              \
                     _mm_prefetch((const char *)(V + (l + AHEAD) * DIM) + b, _MM_HINT_T0);              \
                 v16 p[QB];                                                                             \
                 for (int i = 0; i < QB; i++) p[i] = splat16(s[i * stride + l]);                        \
                 for (int c = 0; c < nc; c++) {                                                         \
-                    v16 vv = LOADV(V + l * DIM + (c0 + c) * 16);                                       \
+                    v16 vv = load16_bf16(V + l * DIM + (c0 + c) * 16);                                       \
                     for (int i = 0; i < QB; i++) o[i][c] += p[i] * vv;                                 \
                 }                                                                                      \
             }                                                                                          \
@@ -312,12 +313,9 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
         }                                                                                              \
     }                                                                                                  \
 }
-ATTEND_DP(attend_dp_64, 64, uint16_t, load16_bf16)
-ATTEND_DP(attend_dp_128, 128, uint16_t, load16_bf16)
-ATTEND_DP(attend_dp_any, dim, uint16_t, load16_bf16)
-ATTEND_DP(attend_dp_64_wide, 64, float, load16)
-ATTEND_DP(attend_dp_128_wide, 128, float, load16)
-ATTEND_DP(attend_dp_any_wide, dim, float, load16)
+ATTEND_DP(attend_dp_64, 64)
+ATTEND_DP(attend_dp_128, 128)
+ATTEND_DP(attend_dp_any, dim)
 #endif
 
 typedef void (*attend_fn)(const float *, const void *, const void *, float *, int64_t, int64_t, int64_t,
@@ -374,15 +372,8 @@ static int run(const float *q, const char *k_store, const char *v_store, int64_t
         const void *k = k_store + kv * elem_size, *v = v_store + kv * elem_size;
         attend_fn attend;
 #ifdef DP_BF16
-        if (elem_size == 2 && dim % 32 == 0 && dim <= MAX_DIM_DP) {      /* keys stay bf16; values widened */
-            if (widened) {
-                float *v32 = s + QB * (m + 8);
-                widen(v32, v, m * dim);
-                v = v32;
-                attend = dim == 64 ? attend_dp_64_wide : dim == 128 ? attend_dp_128_wide : attend_dp_any_wide;
-            } else {
-                attend = dim == 64 ? attend_dp_64 : dim == 128 ? attend_dp_128 : attend_dp_any;
-            }
+        if (elem_size == 2 && !widened && dim % 32 == 0 && dim <= MAX_DIM_DP) {   /* few queries: ATTEND_DP */
+            attend = dim == 64 ? attend_dp_64 : dim == 128 ? attend_dp_128 : attend_dp_any;
             attend(q + qo, k, v, out + qo, heads * dim, n, start[r] + t0, groups, scale, s, dim,
                    bits ? bits + first[r] + t0 : NULL, start[r]);
             free(s);
