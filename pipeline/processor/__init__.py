@@ -58,6 +58,8 @@ class Processor:
         remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type
+        # max_concurrency: the replica's calls running at once (each awaits its rows on the one engine);
+        # without it a replica holds one batch and its engine drains at every batch boundary (tested)
         dataset = dataset.map_batches(
             SpecpipeStage, fn_constructor_args=(cfg,), batch_size=cfg.batch_size, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,

@@ -170,7 +170,7 @@ def sample(model, prompt: list[int], eos: list[int], drafter, n: int, seed_base:
     per first-round draft position [drafted, accepted] totals."""
     cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=len(prompt) + LENGTH + 1, max_prefill_tokens=2048)
     engine = SpecEngine(build_runner(model, BATCH, cfg.max_model_len), drafter, cfg, eos,
-                        drafting=DraftingConfig(num_speculative_tokens=4))
+                        drafting=DraftingConfig(num_speculative_tokens=4, adaptive=False))
     for i in range(n):
         engine.add_request(f"r{i}", prompt, PARAMS, seed=seed_base + i)
     counts, first_round = collections.Counter(), np.zeros((2, 2), dtype=int)   # [position, (drafted, accepted)]

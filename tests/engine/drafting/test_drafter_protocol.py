@@ -79,7 +79,7 @@ def test_a_protocol_only_drafter_runs_through_the_engine_losslessly(target_model
     drafter = ScriptedDrafter(script, target_model.config.vocab_size)
     cfg = EngineConfig(max_num_seqs=3, max_model_len=128, max_prefill_tokens=16)
     engine = SpecEngine(build_runner(target_model, 3, 128, packed_linear=False), drafter, cfg,
-                        drafting=DraftingConfig(num_speculative_tokens=3))
+                        drafting=DraftingConfig(num_speculative_tokens=3, adaptive=False))
     done, rounds = run_requests(engine, prompts, params, arrive_every=2)
     assert {rid: c.output_ids for rid, c in done.items()} == script
     assert sum(r.accepted for r in rounds) > 0 and sum(r.draft_len - r.accepted for r in rounds) > 0

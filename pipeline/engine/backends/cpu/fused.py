@@ -219,9 +219,11 @@ class GateUpMLP(nn.Module):
 
 
 def _is_silu_mlp(module: nn.Module, mlp_classes: tuple[type, ...]) -> bool:
-    """A gated MLP of a known family with SiLU (what GateUpMLP computes), fp32 or bf16."""
+    """A gated MLP of a known family with SiLU (what GateUpMLP computes), fp32 or bf16, whose gate and up
+    are still plain linears (not those of a model another runner has planned already)."""
     from transformers.activations import SiLUActivation
     return type(module) in mlp_classes and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)) \
+        and type(module.gate_proj) is nn.Linear and type(module.up_proj) is nn.Linear \
         and module.gate_proj.weight.dtype in DTYPES \
         and (module.gate_proj.bias is None) == (module.up_proj.bias is None) \
         and (module.gate_proj.weight.dtype == torch.float32 or module.gate_proj.out_features % 8 == 0)

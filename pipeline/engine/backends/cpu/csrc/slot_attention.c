@@ -81,6 +81,23 @@ static float softmax_numerators(float *x, int64_t m) {
 #define QB 1
 #endif
 
+/* A block's scores (QB queries, `stride` apart in s) -> softmax numerators: a tree row's inputs a query
+ * must not see left out, inv[i] = 1 / query i's sum, and the scores past a query's own m_i (up to the
+ * block's longest m) zeroed, so p V adds exact zeros there. */
+static void block_softmax(float *s, int64_t stride, const int64_t *mq, int64_t m, int64_t nq, const int64_t *bits,
+                          int64_t j0, int64_t groups, int64_t base, float *inv) {
+    for (int i = 0; i < QB; i++) {
+        float *si = s + i * stride;
+        uint64_t hidden = bits ? ~(uint64_t)bits[(j0 + (i < nq ? i : nq - 1)) / groups] : 0;
+        for (int64_t l = base; hidden && l < mq[i] && l - base < 63; l++)
+            if ((hidden >> (l - base)) & 1) si[l] = -FLT_MAX;
+        inv[i] = 1.0f / softmax_numerators(si, mq[i]);
+        for (int64_t l = base; hidden && l < mq[i] && l - base < 63; l++)
+            if ((hidden >> (l - base)) & 1) si[l] = 0.0f;   /* exactly 0 in p V (the sum: ~1e-38) */
+        for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;
+    }
+}
+
 /* One task: n tokens of a row at positions p0.. (the row's keys up to p0 + n - 1 hold this step's
  * values), `groups` query heads each, one KV head. q/out point at the first token's first head of
  * the group; tok_stride = heads * dim. s: scratch, QB * (p0 + n + 8) floats (the scores of QB queries).
@@ -133,20 +150,8 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
                 s[i * stride + l] = t * scale;                                                         \
             }                                                                                          \
         }                                                                                              \
-        uint64_t hidden[QB];              /* tree rows: the row's inputs this query must not see */    \
-        for (int i = 0; i < QB; i++) {                                                                 \
-            hidden[i] = bits ? ~(uint64_t)bits[(j0 + (i < nq ? i : nq - 1)) / groups] : 0;             \
-            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
-                if ((hidden[i] >> (l - base)) & 1) s[i * stride + l] = -FLT_MAX;                       \
-        }                                                                                              \
         float inv[QB];                                                                                 \
-        for (int i = 0; i < QB; i++) {                                                                 \
-            float *si = s + i * stride;                                                                \
-            inv[i] = 1.0f / softmax_numerators(si, mq[i]);                                             \
-            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
-                if ((hidden[i] >> (l - base)) & 1) si[l] = 0.0f;   /* exactly 0 in p V (the sum: ~1e-38) */ \
-            for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;                                          \
-        }                                                                                              \
+        block_softmax(s, stride, mq, m, nq, bits, j0, groups, base, inv);                              \
         for (int c0 = 0; c0 < DIM / 8; c0 += OUT_CHUNKS) {                                             \
             int nc = DIM / 8 - c0 < OUT_CHUNKS ? DIM / 8 - c0 : OUT_CHUNKS;                            \
             v8 o[QB][OUT_CHUNKS] = {{0}};                                                              \
@@ -277,20 +282,8 @@ static void NAME(const float *q, const void *Kv, const void *Vv, float *out, int
         int64_t m = mq[QB - 1], m8 = m & ~(int64_t)7;                                                  \
         int first_pass = j0 == 0;                   /* later passes find the keys and values in cache */ \
         if (parts == 1) { SCORES_DP(1, DIM) } else { SCORES_DP(QPARTS, DIM) }                          \
-        uint64_t hidden[QB];                                                                           \
-        for (int i = 0; i < QB; i++) {                                                                 \
-            hidden[i] = bits ? ~(uint64_t)bits[(j0 + (i < nq ? i : nq - 1)) / groups] : 0;             \
-            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
-                if ((hidden[i] >> (l - base)) & 1) s[i * stride + l] = -FLT_MAX;                       \
-        }                                                                                              \
         float inv[QB];                                                                                 \
-        for (int i = 0; i < QB; i++) {                                                                 \
-            float *si = s + i * stride;                                                                \
-            inv[i] = 1.0f / softmax_numerators(si, mq[i]);                                             \
-            for (int64_t l = base; hidden[i] && l < mq[i] && l - base < 63; l++)                       \
-                if ((hidden[i] >> (l - base)) & 1) si[l] = 0.0f;                                       \
-            for (int64_t l = mq[i]; l < m; l++) si[l] = 0.0f;                                          \
-        }                                                                                              \
+        block_softmax(s, stride, mq, m, nq, bits, j0, groups, base, inv);                              \
         for (int c0 = 0; c0 < DIM / 16; c0 += OUT16) {                                                 \
             int nc = DIM / 16 - c0 < OUT16 ? DIM / 16 - c0 : OUT16;                                    \
             v16 o[QB][OUT16] = {{0}};                                                                  \
