@@ -64,8 +64,14 @@ def completion_row(c: Completion, stamp: dict, worker: str, uid: str, source_fil
     return {"id": c.request_id, "text": c.text, "token_ids": c.output_ids, "finish_reason": c.finish_reason,
             "prompt_tokens": c.prompt_len, "completion_tokens": n, "rounds": c.num_rounds,
             "draft_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted,
-            "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
-            "mean_accepted_length": n / c.num_rounds if c.num_rounds else None, "seed": c.seed,
+            **acceptance(c), "seed": c.seed,
             **stamp, "unit": uid, "source_file": source_file,
             "source_row": index, "worker": worker, "latency_s": latency,
             **structured_columns(c)}
+
+
+def acceptance(c: Completion) -> dict:
+    """A completion's acceptance_rate (accepted / drafted; null when nothing was drafted) and
+    mean_accepted_length (committed tokens per round)."""
+    return {"acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
+            "mean_accepted_length": len(c.output_ids) / c.num_rounds if c.num_rounds else None}

@@ -202,6 +202,11 @@ def redacted(cfg: JobConfig) -> dict:
     return tree
 
 
+# engine keys that do not change the output: which kernels run (the same distribution, rounding-level
+# differences at most) and copied prompt KV (the same values as computed)
+ENGINE_NOT_HASHED = ("kernels", "compile", "cuda_graphs", "prefix_reuse")
+
+
 def hashed_tree(cfg: JobConfig) -> dict:
     """What determines the output: everything but where and how the job runs (cluster, storage,
     progress display, live metrics, resume, the lease, the CPU kernels) and failure drills."""
@@ -210,9 +215,8 @@ def hashed_tree(cfg: JobConfig) -> dict:
         tree.pop(key)
     for key in ("progress", "metrics", "resume", "lease_ttl_s"):
         tree["run"].pop(key)
-    for key in ("kernels", "compile", "cuda_graphs"):   # which kernels run: the same distribution
-        tree["engine"].pop(key)                         # (rounding-level differences at most)
-    tree["engine"].pop("prefix_reuse")                # copied prompt KV: the same values as computed
+    for key in ENGINE_NOT_HASHED:
+        tree["engine"].pop(key)
     if not tree["input"]["passthrough_columns"]:
         tree["input"].pop("passthrough_columns")
     drafting = tree["drafting"]

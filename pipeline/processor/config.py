@@ -17,7 +17,7 @@ Knows the engine's and the job's configs; knows nothing about Ray.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -84,7 +84,6 @@ class SpecpipeProcessorConfig:
 
     def tree(self) -> dict:
         """The config as plain data (what a replica is built from, and what the rounds log records)."""
-        from dataclasses import asdict
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in SECTIONS:
             out[name] = asdict(out[name])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
+from ..cluster.records import acceptance
 from ..engine import Completion, RequestError, SamplingParams
 from ..job.rows import ROW_OVERRIDES, RowError, messages_of, sampling_overrides
 from ..job.runtime import prompt_ids
@@ -123,16 +124,17 @@ def output_row(c: Completion) -> dict:
     structured = structured_columns(c)
     return {"generated_text": c.text, "generated_tokens": list(c.output_ids), "num_generated_tokens": n,
             "num_input_tokens": c.prompt_len, "finish_reason": c.finish_reason, "rounds": c.num_rounds,
-            "draft_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted,
-            "acceptance_rate": c.num_accepted / c.num_draft_tokens if c.num_draft_tokens else None,
-            "mean_accepted_length": n / c.num_rounds if c.num_rounds else None,
+            "draft_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted, **acceptance(c),
             "forced_tokens": structured["forced_tokens"], "valid": structured["valid"],
             "record": structured["record"], "error": None}
 
 
-def error_row(e: RowError | RequestError) -> dict:
-    if isinstance(e, RequestError):
-        e = RowError(e.code, e.field, str(e).split(": ", 1)[-1])
+def row_error(e: RowError | RequestError) -> RowError:
+    """The engine's refusal of a row as the RowError it is (reason, field, message)."""
+    return e if isinstance(e, RowError) else RowError(e.code, e.field, str(e).split(": ", 1)[-1])
+
+
+def error_row(e: RowError) -> dict:
     return {**{name: None for name in OUTPUT.names}, "error": f"{e.reason}: {e}"}
 
 

@@ -18,7 +18,9 @@ writer; the row contract is rows.py's.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import logging
 import os
 import queue
@@ -33,9 +35,10 @@ from ..cluster.records import completion_row, round_row
 from ..engine import Completion, RequestError, StepOutput
 from ..io.schema import to_table
 from ..io.writer import RunOutput
+from ..job.config import ENGINE_NOT_HASHED
 from ..job.rows import RowError
 from .config import SpecpipeProcessorConfig
-from .rows import RowInput, error_row, output_row, row_input, with_output
+from .rows import RowInput, error_row, output_row, row_error, row_input, with_output
 
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0          # how often a replica logs its tokens/s and acceptance
@@ -179,14 +182,12 @@ class SpecpipeStage:
     def _refused(self, e: RowError | RequestError, errors: list[dict], row: dict, rid: str | None = None) -> dict:
         if not self.config.should_continue_on_error:
             raise ValueError(f"bad row ({e}); should_continue_on_error=False") from None
-        result = error_row(e)
-        if isinstance(e, RequestError):
-            e = RowError(e.code, e.field, str(e).split(": ", 1)[-1])
+        e = row_error(e)
         key = rid or (str(row.get(self.config.id_column)) if self.config.id_column else None)
         errors.append({"id": key, "reason": e.reason, "field": e.field, "message": e.message,
                        "source_file": None, "source_row": None, "unit": None, "run_id": self.config.run_id,
                        "config_hash": self._stamp["config_hash"]})
-        return result
+        return error_row(e)
 
     # ---- the rounds log ------------------------------------------------------------------------
     def _keep_rounds(self, out: StepOutput) -> None:            # on the engine thread
@@ -215,10 +216,9 @@ class SpecpipeStage:
 
 
 def config_digest(config: SpecpipeProcessorConfig) -> str:
-    """Short hash of what determines the output: the engine sections and the seeding."""
-    import hashlib
-    import json
+    """Short hash of what determines the output: the engine sections and the seeding (the engine keys
+    the job's hash leaves out, left out here too)."""
     tree = config.tree()
     kept = {k: tree[k] for k in ("models", "drafting", "sampling", "id_column", "seed")}
-    kept["engine"] = {k: v for k, v in tree["engine"].items() if k not in ("kernels", "compile", "cuda_graphs")}
+    kept["engine"] = {k: v for k, v in tree["engine"].items() if k not in ENGINE_NOT_HASHED}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -136,8 +136,9 @@ class ModelRunner:
         self.cpu_fused = chosen.fused
         self.mlp_plan: MlpPlan | None = None
         merge = True
-        if chosen.fused is not None and kernels.cpu_fused == "auto" and silu_mlps(model):
-            self.mlp_plan = calibrate_mlp(silu_mlps(model)[0], chosen.fused)     # auto: the form measured faster
+        mlps = silu_mlps(model) if chosen.fused is not None and kernels.cpu_fused == "auto" else []
+        if mlps:
+            self.mlp_plan = calibrate_mlp(mlps[0], chosen.fused)     # auto: the form measured faster here
             merge = self.mlp_plan.merged
         self.fused_norms, self.fused_mlps = fuse(model, chosen.fused, merge) if chosen.fused is not None else (0, 0)
         # Linear weights held in the layout of each kernel the plan runs them with: our panel kernel for

@@ -336,6 +336,25 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
         return result
 
 
+def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmups: int) -> dict[str, float]:
+    """Median ms of each call, the calls taken in turn (the box's drift hits each alike), after warm-ups."""
+    laps: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(warmups + repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if rep >= warmups:
+                laps[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+
+
+def _row_timings(data: dict) -> dict[int, dict[str, float]]:
+    """A cached plan's timings by row count, after checking its measurement's VERSION."""
+    if data.get("version") != VERSION:
+        raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
+    return {int(n): {k: float(v) for k, v in t.items()} for n, t in data["timings"].items()}
+
+
 def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tuple[int, int]]],
               kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None) -> Calibration:
     """The plans for a model whose linears are `counts` (family -> (out, in) of each linear, in order)
@@ -386,10 +405,7 @@ class AttentionPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "AttentionPlan":
-        if data.get("version") != VERSION:
-            raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
-        return cls(data["key"], {int(n): {k: float(v) for k, v in t.items()} for n, t in data["timings"].items()},
-                   data["sdpa_from"], float(data["seconds"]), cached=True)
+        return cls(data["key"], _row_timings(data), data["sdpa_from"], float(data["seconds"]), cached=True)
 
 
 def choose_sdpa_from(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> int | None:
@@ -416,14 +432,9 @@ def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.
     for n in rows:
         q = torch.randn(n, heads, dim, generator=gen).to(dtype)
         table = torch.tensor([[0], [0], [n], [0]], dtype=torch.long)
-        laps: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-        for rep in range(repeats + 2):                  # two warm-ups: SDPA's first calls set up its kernel
-            for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
-                t0 = time.perf_counter()
-                fn(q, ks, vs, table, dim ** -0.5)
-                if rep >= 2:
-                    laps[name].append(time.perf_counter() - t0)
-        out[n] = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+        out[n] = _interleaved({name: (lambda fn=fn: fn(q, ks, vs, table, dim ** -0.5))
+                               for name, fn in (("kernel", kernel), ("sdpa", sdpa))},
+                              repeats, warmups=2)          # SDPA's first calls set up its kernel
     return out
 
 
@@ -464,10 +475,7 @@ class MlpPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "MlpPlan":
-        if data.get("version") != VERSION:
-            raise ValueError(f"calibration version {data.get('version')}, expected {VERSION}")
-        return cls(data["key"], {int(n): {k: float(v) for k, v in t.items()} for n, t in data["timings"].items()},
-                   bool(data["merged"]), float(data["seconds"]), cached=True)
+        return cls(data["key"], _row_timings(data), bool(data["merged"]), float(data["seconds"]), cached=True)
 
 
 def choose_merged(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> bool:
@@ -488,14 +496,7 @@ def measure_mlp(mlp: torch.nn.Module, ops, rows: tuple[int, ...] = MLP_ROWS,
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype)
-            laps: dict[str, list[float]] = {"modules": [], "merged": []}
-            for rep in range(repeats + 1):              # one warm-up
-                for name, fn in (("modules", mlp), ("merged", merged)):
-                    t0 = time.perf_counter()
-                    fn(x)
-                    if rep >= 1:
-                        laps[name].append(time.perf_counter() - t0)
-            out[n] = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+            out[n] = _interleaved({"modules": lambda: mlp(x), "merged": lambda: merged(x)}, repeats, warmups=1)
     return out
 
 
