@@ -2,13 +2,14 @@
 using measured draft and verify costs. No torch import: calibration times the runners it is given
 through their own methods.
 
-Model (the one written down in bench/RESULTS.md): with per-token acceptance alpha, a round with
+Model (bench/RESULTS.md, "Adaptive policy"): with per-token acceptance alpha, a round with
 draft length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs
 C(g) = V(B * (g + 1)) + g * D(B), where V(T) is the target's forward (+ verification) time for T
 tokens and D(B) the draft's time for one step over B rows (0 for n-gram lookup). Each sequence gets
 the g in [0, max_draft] that maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation
 would cost more than it saves. V and D are piecewise-linear curves measured by a short calibration
-(CostModel.calibrate) and rescaled online by the ratio of observed to predicted step times.
+(CostModel.calibrate) and rescaled online by the ratio of observed to predicted step times; what
+extra tokens cost at the running batch size is also read from the run's own steps (StepFit).
 
 Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
 (geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
@@ -42,12 +43,69 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..core.tree import depths
 
 if TYPE_CHECKING:
     from ..model.runner import ModelRunner
+
+
+def _bucket(batch: int | None) -> int:
+    """Batch sizes that share a StepFit: the power of two at or above."""
+    return 1 << (batch - 1).bit_length() if batch else 0
+
+
+class StepFit:
+    """The verify steps observed at one batch size bucket, fitted by least squares with decayed weights:
+    y = a + s x, where x is a step's tokens past one per row, per row, and y its time over the measured
+    curve's time for a plain step of its rows (V(B)). The policy's choice hinges on what extra tokens
+    cost at its batch size, which the calibration measures once, on a machine that others may be using
+    at that moment: one start's curve read V(256) = 1.5 V(128) where steps took 1.8x, and the policy
+    drafted at 128 rows where every draft token cost a token's full share of the step. The run's own
+    steps correct that: wherever rows draft, the steps' token counts vary and s is observed.
+
+    extra(x, curve) is the relative extra cost of x tokens per row: the observed s x / a and the curve's
+    `curve` weighted by their precisions, the observed one's from the fit's residuals (with a floor of
+    NOISE of a step's time), the curve's its value times CURVE_SD. So a fit of a few steps, or of steps
+    that barely differ in tokens, moves the price little; where no row has drafted for a while
+    the weights of the steps that did decay, and the curve takes over again."""
+
+    DECAY = 0.98          # weight kept per later step of the bucket
+    CURVE_SD = 0.4        # the measured curve's relative error on extra tokens' cost
+    NOISE = 0.03          # least residual standard deviation of y: a step's time varies by this much
+    FLOOR = 0.05          # least relative cost the curve's error is taken on, per extra token per row
+
+    def __init__(self):
+        self.n = self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.DECAY
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy, self.syy = self.sxx * d + x * x, self.sxy * d + x * y, self.syy * d + y * y
+
+    def line(self) -> tuple[float, float, float] | None:
+        """(a, s, variance of s), or None while the steps cannot say (fewer than 4, or no spread in x)."""
+        if self.n < 4:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var_x = self.sxx / self.n - mx * mx
+        if var_x <= 1e-12:
+            return None
+        cov = self.sxy / self.n - mx * my
+        slope = cov / var_x
+        residual = max(self.syy / self.n - my * my - slope * cov, 0.0) * self.n / (self.n - 2)
+        return my - slope * mx, max(slope, 0.0), max(residual, self.NOISE ** 2) / (self.n * var_x)
+
+    def extra(self, x: float, curve: float) -> float:
+        line = self.line()
+        if line is None or line[0] <= 0:
+            return curve
+        a, slope, var_slope = line
+        observed, var_observed = slope * x / a, var_slope * (x / a) ** 2
+        var_curve = (self.CURVE_SD * max(curve, self.FLOOR * x)) ** 2
+        w = var_curve / (var_curve + var_observed) if var_curve + var_observed > 0 else 0.0
+        return w * observed + (1.0 - w) * curve
 
 
 class CostModel:
@@ -57,6 +115,8 @@ class CostModel:
         self.draft_prefill_s = 0.0                          # draft prefill seconds per token
         self.verify_scale = self.draft_scale = 1.0
         self.ema = ema
+        self.measured = False                               # curves timed here (calibrate), not given
+        self.fits: dict[int, StepFit] = {}                 # batch bucket -> its observed verify steps
 
     @property
     def is_calibrated(self) -> bool:
@@ -90,20 +150,32 @@ class CostModel:
             (x0, y0), (x1, y1) = curve[i - 1], curve[i]
         return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
-    def verify_cost(self, tokens: int) -> float:
-        return self.verify_scale * self._interp(self.verify_curve, tokens)
+    def verify_cost(self, tokens: int, batch: int | None = None) -> float:
+        """A verify step of `tokens` tokens; over `batch` rows, the extra tokens past one per row are
+        priced by this batch size's observed steps where they say enough (StepFit), by the curve where not."""
+        fit = self.fits.get(_bucket(batch)) if batch and tokens > batch else None
+        if fit is None:
+            return self.verify_scale * self._interp(self.verify_curve, tokens)
+        base = self._interp(self.verify_curve, batch)
+        curve_extra = self._interp(self.verify_curve, tokens) / base - 1.0 if base > 0 else 0.0
+        return self.verify_scale * base * (1.0 + fit.extra((tokens - batch) / batch, curve_extra))
 
     def draft_cost(self, rows: int) -> float:
         return self.draft_scale * self._interp(self.draft_curve, rows)
 
     def observe(self, batch_size: int, num_draft: int, draft_s: float, target_tokens: int,
                 verify_s: float, draft_steps: int = 0) -> None:
-        """Rescale the curves by observed / predicted time (exponential moving average)."""
+        """Rescale the curves by observed / predicted time (exponential moving average), and, where the
+        curves were measured here, add the step to its batch size's StepFit."""
         if not self.is_calibrated:
             return
         predicted = self._interp(self.verify_curve, target_tokens)
         if predicted > 0:
             self.verify_scale += self.ema * (verify_s / predicted - self.verify_scale)
+        base = self._interp(self.verify_curve, batch_size)
+        if self.measured and self.ema > 0 and batch_size and base > 0:
+            self.fits.setdefault(_bucket(batch_size), StepFit()).add(
+                (target_tokens - batch_size) / batch_size, verify_s / base)
         predicted = draft_steps * self._interp(self.draft_curve, batch_size)
         if draft_steps and predicted > 0:
             self.draft_scale += self.ema * (draft_s / predicted - self.draft_scale)
@@ -111,47 +183,58 @@ class CostModel:
     def round_cost(self, batch_size: int, g: int, draft_is_free: bool = False) -> float:
         """A step of batch_size sequences all drafting g tokens (V + g D)."""
         draft = 0.0 if draft_is_free else g * self.draft_cost(batch_size)
-        return self.verify_cost(batch_size * (g + 1)) + draft
+        return self.verify_cost(batch_size * (g + 1), batch_size) + draft
 
     def catch_up_cost(self, lag: int) -> float:
         return self.draft_scale * self.draft_prefill_s * lag
 
     def calibrate(self, target: ModelRunner, draft: ModelRunner | None, num_slots: int, max_draft: int,
-                  max_model_len: int, repeats: int = 3) -> None:
+                  max_model_len: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         """Measure the target's forward time per number of tokens and the draft's per number of rows
         (the cost curves), at a typical context length: attention reads grow with it, and a curve
-        measured at context 0 underprices extra query tokens. Writes scratch KV into the runners'
+        measured at context 0 underprices extra query tokens. Every forward of a model is timed once per
+        round, the rounds in turn (time_forwards): a stretch where the machine is busy elsewhere slows one
+        measurement of each size, not every measurement of one size, and a curve bent by such a stretch
+        (a V(128) near V(256)) would make drafting look almost free. Writes scratch KV into the runners'
         first slots: only while no sequence holds a slot."""
         context = min(max_model_len // 2, 384)
         max_tokens = num_slots * (max_draft + 1)
         sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {max_tokens})
-        self.verify_curve = CostModel.monotone(
-            [(t, time_forward(target, t, num_slots, context, repeats)) for t in sizes])
+        times = time_forwards(target, [(t, num_slots, "all") for t in sizes], context, repeats, clock)
+        self.verify_curve = CostModel.monotone(list(zip(sizes, times)))
+        self.measured, self.fits = True, {}
         if draft is None:
             return
         rows = sorted({min(2 ** i, num_slots) for i in range(num_slots.bit_length() + 1)})
-        self.draft_curve = CostModel.monotone([(r, time_forward(draft, r, r, context, repeats)) for r in rows])
         chunk = min(64, context)          # the lazy catch-up's prefill, per token (no logits)
-        self.draft_prefill_s = time_forward(draft, chunk, 1, context, repeats, "none") / chunk
+        times = time_forwards(draft, [(r, r, "all") for r in rows] + [(chunk, 1, "none")], context, repeats, clock)
+        self.draft_curve = CostModel.monotone(list(zip(rows, times)))
+        self.draft_prefill_s = times[-1] / chunk
 
 
-def time_forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, repeats: int,
-                 logits: str = "all") -> float:
-    """Median seconds of one forward of `tokens` tokens over at most `max_rows` rows at `context`
-    (+ the softmax the engine applies to its logits), after a warm-up run."""
+def time_forwards(runner: ModelRunner, forwards: list[tuple[int, int, str]], context: int, repeats: int,
+                  clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Median seconds of each forward (tokens, at most rows, logits) at `context`, + the softmax the engine
+    applies to its logits. A warm-up round, then `repeats` rounds each timing every forward once."""
+    laps: list[list[float]] = [[] for _ in forwards]
+    for rep in range(repeats + 1):
+        for lap, (tokens, max_rows, logits) in zip(laps, forwards):
+            t0 = clock()
+            _forward(runner, tokens, max_rows, context, logits)
+            if rep:
+                lap.append(clock() - t0)
+    return [sorted(lap)[len(lap) // 2] for lap in laps]
+
+
+def _forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, logits: str) -> None:
+    """One forward of `tokens` tokens over at most `max_rows` rows (scratch KV in the first slots)."""
     rows = min(tokens, max_rows)
     per_row = -(-tokens // rows)
     context = min(context, runner.cache.max_len - per_row)
-    inputs = [[0] * per_row for _ in range(rows)]
-    times = []
-    for _ in range(repeats + 1):                       # first run is a warm-up
-        t0 = time.perf_counter()
-        out = runner.forward(list(range(rows)), [context] * rows, inputs, logits=logits)
-        if out is not None:
-            out.softmax(dim=-1)
-        runner.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    out = runner.forward(list(range(rows)), [context] * rows, [[0] * per_row for _ in range(rows)], logits=logits)
+    if out is not None:
+        out.softmax(dim=-1)
+    runner.synchronize()
 
 
 def expected_tokens(alpha: float, g: int) -> float:
@@ -268,7 +351,7 @@ class AdaptiveDraftLength:
         if not self.costs.is_calibrated or not batch_size:
             return True
         value, most = self._tree_factor(self.tree_calibration, 1), batch_size * max_tokens
-        rate = lambda m: (batch_size + m * value) / self.costs.verify_cost(batch_size + m)
+        rate = lambda m: (batch_size + m * value) / self.costs.verify_cost(batch_size + m, batch_size)
         ends = {x - batch_size for x, _ in self.costs.verify_curve if 0 < x - batch_size < most} | {most}
         return any(rate(m) > rate(0) * GAIN for m in ends)
 
@@ -280,10 +363,10 @@ class AdaptiveDraftLength:
         cal = self.tree_calibration
         ranked = sorted(((self._tree_factor(cal, d) * s, b, i) for b, (row, ps) in enumerate(zip(scores, parents))
                          for i, (s, d) in enumerate(zip(row, depths(ps)))), key=lambda t: (-t[0], t[1], t[2]))
-        best_m, best_rate, expected = 0, batch / self.costs.verify_cost(batch), float(batch)
+        best_m, best_rate, expected = 0, batch / self.costs.verify_cost(batch, batch), float(batch)
         for m, (value, _, _) in enumerate(ranked, start=1):
             expected += value
-            rate = expected / self.costs.verify_cost(batch + m)
+            rate = expected / self.costs.verify_cost(batch + m, batch)
             if rate > best_rate * GAIN:
                 best_m, best_rate = m, rate
         keep = [0] * batch

@@ -8,7 +8,7 @@ import torch
 
 from conftest import dynamic_cache_keys, greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
-from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel, expected_tokens
+from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel, StepFit, expected_tokens
 from pipeline.engine.drafting.draft_model import draft_lag
 from pipeline.engine.core.request import Sequence
 
@@ -93,6 +93,94 @@ def test_calibration_curves_are_made_non_decreasing():
     assert sum(y for _, y in fitted) == pytest.approx(sum(y for _, y in noisy))   # least squares keeps the mean
     clean = [(1, 1.0), (2, 1.1), (4, 1.3)]
     assert CostModel.monotone(clean) == clean
+
+
+class _ClockedRunner:
+    """A runner whose forward advances a fake clock by 1 ms per token, 3 ms per token while the machine
+    is busy elsewhere: forwards number `busy` (in call order, warm-ups included) run in such a stretch."""
+
+    def __init__(self, busy: range):
+        self.now, self.calls, self.busy = 0.0, 0, busy
+        self.cache = type("Cache", (), {"max_len": 1024})()
+
+    def forward(self, slots, starts, tokens, logits="all"):
+        self.now += sum(map(len, tokens)) * (3e-3 if self.calls in self.busy else 1e-3)
+        self.calls += 1
+        return None
+
+    def synchronize(self):
+        pass
+
+
+def test_calibration_times_every_size_in_turn_so_a_busy_stretch_bends_no_point():
+    """A stretch of 3 consecutive forwards at triple cost (another process on the cores) comes after the
+    warm-up round: taken size by size it would fall on the 3 timings of one size (V(128) near V(256):
+    drafting would look almost free at 128 rows); in turn it slows one timing of 3 sizes, and medians
+    keep every point exact."""
+    for start in range(12, 30):        # the warm-up round is 11 forwards (sizes 1 .. 640 at 128 rows x 5)
+        runner = _ClockedRunner(range(start, start + 3))
+        cm = CostModel()
+        cm.calibrate(runner, None, num_slots=128, max_draft=4, max_model_len=1024, repeats=3,
+                     clock=lambda: runner.now)
+        assert cm.verify_curve == [(t, pytest.approx(t * 1e-3)) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 640)]
+        assert runner.calls == 4 * 11
+
+
+# A calibration bent by a busy stretch: extra tokens look cheap at 128 rows (V(256) = 1.5 V(128)),
+# where the machine's steps are compute-bound and every token costs its full share (V(T) ~ T).
+BENT_VERIFY = [(1, 0.02), (64, 0.08), (128, 0.14), (256, 0.21), (512, 0.56), (640, 0.70)]
+
+
+def _measured(curve):
+    cm = costs(curve, [])
+    cm.measured = True
+    return cm
+
+
+def test_observed_steps_price_extra_tokens_where_the_calibration_was_bent():
+    """At 75% acceptance a row drafting 1 token emits 1.75 tokens for 2 tokens' work: on the bent curve
+    that pays (the policy drafts), on the machine it does not. After the steps of a few rounds with some
+    rows drafting, the fitted price says so and the policy stops; batch sizes whose steps were not
+    observed keep the curve."""
+    cm = _measured(BENT_VERIFY)
+    policy = AdaptiveDraftLength(4, cm, draft_is_free=True)
+    assert policy.best_length(0.75, 128) > 0
+    for i in range(30):
+        extra = 16 * (1 + i % 4)                          # 16 .. 64 draft tokens over 128 rows
+        cm.observe(128, extra, 0.0, 128 + extra, 0.14 * (1 + extra / 128))
+    assert policy.best_length(0.75, 128) == 0
+    assert cm.verify_cost(256, 128) == pytest.approx(2 * cm.verify_cost(128, 128), rel=0.05)
+    assert cm.verify_cost(128, 64) == cm.verify_cost(128)         # another bucket: the curve's
+
+
+def test_steps_without_drafts_or_with_given_curves_leave_the_curve_as_it_is():
+    cm = _measured(BENT_VERIFY)
+    for _ in range(30):
+        cm.observe(128, 0, 0.0, 128, 0.14)              # no row drafted: no spread in tokens, nothing to fit
+    assert cm.verify_cost(256, 128) == pytest.approx(cm.verify_cost(256))
+    for given in (costs(BENT_VERIFY, []), _measured(BENT_VERIFY)):   # curves set by hand; rescaling off
+        given.ema = 0.0 if given.measured else given.ema
+        for i in range(30):
+            given.observe(128, 16 * (1 + i % 4), 0.0, 128 + 16 * (1 + i % 4), 0.14 * (1 + (1 + i % 4) / 8))
+        assert not given.fits and given.verify_cost(256, 128) == pytest.approx(given.verify_cost(256))
+
+
+def test_a_few_noisy_steps_move_the_price_little():
+    """Four steps whose times scatter by 20% say little about the slope: the price stays near the
+    curve's, where thirty steps of the same scatter pull it most of the way to what they show."""
+    curve_extra, true_extra = 0.5, 1.0                   # at x = 1 extra token per row
+    fit = StepFit()
+    scatter = [1.2, 0.8, 0.8, 1.2]
+    for i in range(4):
+        x = 0.125 * (1 + i)
+        fit.add(x, (1 + true_extra * x) * scatter[i])
+    few = fit.extra(1.0, curve_extra)
+    for i in range(30):
+        x = 0.125 * (1 + i % 4)
+        fit.add(x, (1 + true_extra * x) * (1.02 if i % 2 else 0.98))
+    many = fit.extra(1.0, curve_extra)
+    assert abs(few - curve_extra) < 0.25 * abs(true_extra - curve_extra)
+    assert abs(many - true_extra) < 0.25 * abs(true_extra - curve_extra)
 
 
 # Draft step = half a forward: at the prior acceptance (0.5) no length pays, at 0.9 g = 1 would.
