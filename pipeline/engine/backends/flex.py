@@ -41,7 +41,7 @@ BLOCK = 128          # key and query block size (FlexAttention's default)
 
 # Cost of a key position read by the flex kernel relative to one read by the eager padded SDPA kernel.
 # Measured on a 2-core AVX2 CPU, fp32, 32 rows x 5 queries, 9/3 heads of 64 (bench/RESULTS.md,
-# "Attention"): 0.62 vs 0.37-0.52 us per row-key, so on CPU flex pays only where padding wastes more
+# "CPU kernels"): 0.62 vs 0.37-0.52 us per row-key, so on CPU flex pays only where padding wastes more
 # than that. CUDA: not measured yet; taken as even, so flex (no padding, no mask) always wins there.
 FLEX_RELATIVE_COST = {"cpu": 1.6, "cuda": 1.0}
 

@@ -50,7 +50,7 @@ subtree entered is the one under the target's own choice, and the most frequent 
 the deepest. With `tree.sampled`, a sampled sequence's children are drawn from the merged estimates
 without replacement and carry q (drafting/trees.py): the first child then takes the largest subtree
 and is accepted with probability sum_y min(p(y), q(y)), which beats the most frequent one's p(y)
-only where the counts estimate p closely (measured: bench/RESULTS.md, token trees). With
+only where the counts estimate p closely (measured: bench/RESULTS.md, "Token trees"). With
 `max_branches` 1 and one index the one-hot tree is the most-frequent walk (where max_spec_factor
 does not cut the walk).
 

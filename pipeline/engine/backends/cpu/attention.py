@@ -3,7 +3,7 @@
 Why a kernel of our own: on a CPU a decoding step's attention is a few query rows per sequence
 against that sequence's keys. Torch's SDPA kernel runs it as many tiny GEMMs over keys padded to the
 step's longest row, and reached ~10 GB/s of a 30-40 GB/s memory system here (bench/RESULTS.md,
-"CPU attention kernel"); FlexAttention removes the padding but costs more per key on CPU. The C
+"CPU kernels"); FlexAttention removes the padding but costs more per key on CPU. The C
 kernel streams each row's own keys once per KV head for all the query heads that share it, with
 no mask and no padding, so a step costs what its rows' lengths cost. Measured on prompt prefill
 too (causal rows of 100-2000 tokens) it beat padded SDPA by 5-15%, so it takes every forward.

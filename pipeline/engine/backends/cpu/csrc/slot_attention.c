@@ -182,7 +182,7 @@ ATTEND(attend_any_bf16, dim, uint16_t, load8_bf16)
  * elements per instruction against 8 widened ones above, the next keys and values prefetched. Such
  * tasks wait on memory (each key is used by at most 2 * QB queries), and this path streams a 64-row
  * decoding step's store 1.6x faster here; tasks of many queries are compute-bound and take ATTEND
- * over keys widened once, which is faster there (bench/RESULTS.md, "Attention"). A product of two
+ * over keys widened once, which is faster there (bench/RESULTS.md, "CPU kernels"). A product of two
  * bf16 is exact in fp32, so each step is an fp32 fused multiply-add, as in ATTEND, in another order:
  * a token's output here and in a many-query task agree to fp32 rounding, not bitwise. The queries
  * are split into bf16 parts, q = hi + mid + lo to fp32 precision: a bf16 model's queries are bf16
