@@ -39,7 +39,7 @@ from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
-from .core.tree import children, num_leaves
+from .core.tree import children, depths, num_leaves
 from .core.verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
 from .core.verify_tree import verify_tree, verify_tree_greedy
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
@@ -377,19 +377,23 @@ class SpecEngine:
         prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
         tree = (torch.tensor([p for b in range(len(batch)) for p in drafts.parents_of(b)], dtype=torch.long,
                              device=logits.device) if drafts.is_tree else None)
-        if all(s.params.is_greedy for s in batch):      # argmax only: no vocabulary-sized rows
+        # Sizes the host knows, so that verification reads nothing back before the step's one readback
+        longest = max((max(depths(drafts.parents_of(b)), default=0) if tree is not None else drafts.num_draft[b]
+                       for b in range(len(batch))), default=0)
+        greedy = [s.params.is_greedy for s in batch]
+        if all(greedy):                                 # argmax only: no vocabulary-sized rows
             argmax = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed)
             if tree is not None:
-                return verify_tree_greedy(drafts.draft_ids, drafts.cu_num_draft, tree, argmax)
-            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft, argmax)
+                return verify_tree_greedy(drafts.draft_ids, drafts.cu_num_draft, tree, argmax, max_depth=longest)
+            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft, argmax, max_draft=longest)
         p = row_probs(logits, row_seqs, prefixes, allowed=allowed)      # [num_draft + num_seqs, vocab]
         accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
-        is_greedy = torch.tensor([s.params.is_greedy for s in batch], device=p.device)
+        is_greedy = torch.tensor(greedy, device=p.device)
         if tree is not None:
             return verify_tree(drafts.draft_ids, drafts.cu_num_draft, tree, p, drafts.draft_probs, is_greedy,
-                               accept_u, sample_u)
+                               accept_u, sample_u, max_depth=longest, greedy=(any(greedy), False))
         return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
-                      accept_u, sample_u)
+                      accept_u, sample_u, max_draft=longest, any_greedy=any(greedy))
 
     def _verify_uniforms(self, batch, num_draft, device):
         """g + 1 uniforms per sampled sequence per round, from its own verify generator."""

@@ -41,6 +41,9 @@ class RowParams:
     has_filters: bool
     has_penalties: bool
     any_greedy: bool                 # host-side: some row is greedy (no device read to know)
+    top_ks: tuple[int, ...] = ()     # host-side: each row's top_k, so the filters read nothing back
+    any_top_p: bool = False          # host-side: some row has top_p < 1
+    any_min_p: bool = False          # host-side: some row has min_p > 0
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "RowParams":
@@ -56,6 +59,9 @@ class RowParams:
             has_filters=any(p.has_filters and not p.is_greedy for p in params),
             has_penalties=any(p.has_penalties for p in params),
             any_greedy=any(p.is_greedy for p in params),
+            top_ks=tuple(p.top_k for p in params),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
         )
 
 
@@ -84,18 +90,19 @@ def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """top-k, top-p, min-p on temperature-scaled logits [rows, vocab]; removed tokens -> -inf."""
     neg_inf = torch.tensor(float("-inf"), device=logits.device)
     vocab = logits.shape[-1]
-    k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
-    if bool((k < vocab).any()):
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    ks = [min(k, vocab) if k > 0 else vocab for k in rp.top_ks]       # the host's copy of k below
+    if any(k < vocab for k in ks):
+        k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         logits = torch.where(logits < kth, neg_inf, logits)
-    if bool((rp.top_p < 1).any()):
+    if rp.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= rp.top_p.unsqueeze(1)   # keep the smallest set reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
-    if bool((rp.min_p > 0).any()):
+    if rp.any_min_p:
         probs = logits.softmax(dim=-1)
         floor = rp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = torch.where(probs < floor, neg_inf, logits)

@@ -102,19 +102,19 @@ class SparseProbs:
 
     def at(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """[num_draft_tokens] q(y) of each row's own draft token."""
-        hit = self.token == draft_ids[self.row]
+        hit = self.token == draft_ids[self.row]          # at most one entry per row: (row, token) pairs are unique
         return torch.zeros(len(draft_ids), dtype=self.prob.dtype, device=draft_ids.device).index_put_(
-            (self.row[hit],), self.prob[hit])
+            (self.row,), torch.where(hit, self.prob, 0.0), accumulate=True)
 
     def dense(self, rows: torch.Tensor, num_draft_tokens: int, vocab: int, dtype) -> torch.Tensor:
-        """[len(rows), vocab]: the given draft rows (distinct) made dense."""
-        where = torch.full((num_draft_tokens,), -1, dtype=torch.long, device=rows.device)
-        where[rows] = torch.arange(len(rows), device=rows.device)
-        out_row = where[self.row]
-        keep = out_row >= 0
-        out = torch.zeros(len(rows), vocab, dtype=dtype, device=rows.device)
-        out[out_row[keep], self.token[keep]] = self.prob[keep].to(dtype)
-        return out
+        """[len(rows), vocab]: the given draft rows made dense. A row asked for twice is filled once and
+        copied; entries of rows not asked for land in a spare row. No shape depends on the values."""
+        n = len(rows)
+        first = torch.full((num_draft_tokens,), n, dtype=torch.long, device=rows.device).scatter_reduce_(
+            0, rows, torch.arange(n, device=rows.device), reduce="amin", include_self=True)
+        out = torch.zeros(n + 1, vocab, dtype=dtype, device=rows.device)
+        out.index_put_((first[self.row], self.token), self.prob.to(dtype))
+        return out[first[rows]]
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -127,11 +127,13 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def _flat_index(cu_num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each draft row: its sequence, its position within the sequence, its target row."""
+def _flat_index(cu_num_draft: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each of the `total` draft rows: its sequence, its position within the sequence, its target
+    row. `total` comes from a shape the host knows (no read of cu_num_draft[-1] back from the device)."""
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                   # [num_seqs]
-    seq_of_row = torch.repeat_interleave(torch.arange(len(num_draft), device=cu_num_draft.device), num_draft)
-    pos_in_seq = torch.arange(int(cu_num_draft[-1]), device=cu_num_draft.device) - cu_num_draft[seq_of_row]
+    seq_of_row = torch.repeat_interleave(torch.arange(len(num_draft), device=cu_num_draft.device), num_draft,
+                                         output_size=total)
+    pos_in_seq = torch.arange(total, device=cu_num_draft.device) - cu_num_draft[seq_of_row]
     target_row = cu_num_draft[seq_of_row] + seq_of_row + pos_in_seq
     return seq_of_row, pos_in_seq, target_row
 
@@ -139,7 +141,7 @@ def _flat_index(cu_num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def first_rejections(is_accepted: torch.Tensor, cu_num_draft: torch.Tensor) -> torch.Tensor:
     """Per sequence, the number of leading accepted draft tokens. is_accepted [num_draft_tokens]."""
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
-    seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft)
+    seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft, is_accepted.shape[0])
     # Rejected positions (or g for none): the first one is the accepted prefix length.
     reject_pos = torch.where(is_accepted, num_draft[seq_of_row], pos_in_seq)
     return num_draft.clone().scatter_reduce_(0, seq_of_row, reject_pos, reduce="amin", include_self=True)
@@ -153,12 +155,15 @@ def verify(
     is_greedy: torch.Tensor,          # [num_seqs] bool
     accept_uniforms: torch.Tensor,    # [num_draft_tokens] in [0, 1)
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
+    max_draft: int | None = None,     # the longest row's draft length, where the host knows it
+    any_greedy: bool | None = None,   # whether is_greedy has a True, where the host knows it
 ) -> VerifyOutput:
-    """Apply the greedy or rejection-sampling rule to every sequence of a ragged batch."""
+    """Apply the greedy or rejection-sampling rule to every sequence of a ragged batch. With max_draft and
+    any_greedy given, nothing is read back from the device: every step below has shapes the host knows."""
     device = target_probs.device
-    num_seqs = len(cu_num_draft) - 1
+    num_seqs, total = len(cu_num_draft) - 1, draft_ids.shape[0]
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                    # [num_seqs]
-    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
+    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft, total)
 
     p_rows = target_probs[target_row]                                   # [num_draft_tokens, vocab]
     p_y = p_rows.gather(1, draft_ids.unsqueeze(1)).squeeze(1)           # [num_draft_tokens]
@@ -174,49 +179,50 @@ def verify(
     final_row = cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted
     # [num_seqs, vocab]; with no draft rows at all (plain decoding) final_row is every row in order
     final_p = target_probs if target_probs.shape[0] == num_seqs else target_probs[final_row]
-    rejected = num_accepted < num_draft
     final_dist = final_p
-    if bool(rejected.any()):
-        final_dist = final_p.clone()
-        rej_seq = rejected.nonzero().squeeze(1)
-        rej_draft_row = cu_num_draft[rej_seq] + num_accepted[rej_seq]
+    if total:       # a rejection needs a draft: every row's residual, kept where the row rejected
+        rejected = num_accepted < num_draft
+        rej_draft_row = (cu_num_draft[:-1] + num_accepted).clamp_(max=total - 1)   # rows that rejected: exact
         q_rows = _q_rows(draft_probs, draft_ids, rej_draft_row, final_p.shape[-1], final_p.dtype)
-        residual = (final_p[rej_seq] - q_rows).clamp_(min=0)
+        residual = (final_p - q_rows).clamp_(min=0)
         # p == q exactly makes rejection impossible; guard the 0/0 anyway.
-        empty = residual.sum(dim=-1) <= 0
-        final_dist[rej_seq] = torch.where(empty.unsqueeze(1), final_p[rej_seq], residual)
+        keep = rejected & (residual.sum(dim=-1) > 0)
+        final_dist = torch.where(keep.unsqueeze(1), residual, final_p)
     final_tok = sample_from_probs(final_dist, sample_uniforms)
-    if bool(is_greedy.any()):              # no vocabulary-wide argmax where every row samples
+    if bool(is_greedy.any()) if any_greedy is None else any_greedy:   # no vocabulary-wide argmax where all sample
         final_tok = torch.where(is_greedy, final_p.argmax(dim=-1), final_tok)
 
-    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok)
+    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok, max_draft)
 
 
 def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor,
-                  target_argmax: torch.Tensor) -> VerifyOutput:
+                  target_argmax: torch.Tensor, max_draft: int | None = None) -> VerifyOutput:
     """The greedy rule alone, from the target's argmax per row ([num_draft_tokens + num_seqs]):
     the same result as `verify` with all-greedy sequences, without touching vocabulary-sized rows."""
     device = target_argmax.device
     num_seqs = len(cu_num_draft) - 1
-    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft)
+    seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft, draft_ids.shape[0])
     is_accepted = draft_ids == target_argmax[target_row]
     num_accepted = first_rejections(is_accepted, cu_num_draft)
     is_accepted &= pos_in_seq < num_accepted[seq_of_row]
     final_tok = target_argmax[cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted]
-    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok)
+    return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok, max_draft)
 
 
-def _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok) -> VerifyOutput:
-    """Per sequence: its accepted draft tokens, then the recovered/bonus token; -1 padded."""
-    num_seqs = len(cu_num_draft) - 1
-    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]
-    max_draft = int(num_draft.max()) if num_seqs else 0
-    seq_of_row, pos_in_seq, _ = _flat_index(cu_num_draft)
+def _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok, max_draft: int | None) -> VerifyOutput:
+    """Per sequence: its accepted draft tokens (its leading ones), then the recovered/bonus token; -1 padded
+    to max_draft + 1 (read from the device only where the caller does not know it)."""
+    num_seqs, total = len(cu_num_draft) - 1, draft_ids.shape[0]
+    if max_draft is None:
+        max_draft = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if num_seqs else 0
     device = draft_ids.device
+    col = torch.arange(max_draft + 1, device=device).unsqueeze(0)                  # [1, max_draft + 1]
+    k = num_accepted.unsqueeze(1)
     output_ids = torch.full((num_seqs, max_draft + 1), -1, dtype=torch.long, device=device)
-    acc_rows = is_accepted.nonzero().squeeze(1)
-    output_ids[seq_of_row[acc_rows], pos_in_seq[acc_rows]] = draft_ids[acc_rows]
-    output_ids[torch.arange(num_seqs, device=device), num_accepted] = final_tok
+    if total:
+        drafted = draft_ids[(cu_num_draft[:-1].unsqueeze(1) + col).clamp_(max=total - 1)]
+        output_ids = torch.where(col < k, drafted, output_ids)
+    output_ids = torch.where(col == k, final_tok.unsqueeze(1), output_ids)
     return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted)
 
 

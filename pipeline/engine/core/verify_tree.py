@@ -65,7 +65,7 @@ class TreeIndex:
 def tree_index(cu_num_draft: torch.Tensor, parents: torch.Tensor) -> TreeIndex:
     """Depths and ancestor bits by pointer doubling (no host loop over tokens)."""
     num_seqs = len(cu_num_draft) - 1
-    seq, pos, _ = _flat_index(cu_num_draft)
+    seq, pos, _ = _flat_index(cu_num_draft, parents.shape[0])
     root_row = cu_num_draft[:-1] + torch.arange(num_seqs, device=parents.device)
     parent = torch.where(parents >= 0, cu_num_draft[seq] + parents, -1)
     depth, bits, ptr = torch.ones_like(pos), torch.ones_like(pos) << (pos + 1), parent
@@ -153,36 +153,43 @@ def verify_tree(
     is_greedy: torch.Tensor,          # [num_seqs] bool
     accept_uniforms: torch.Tensor,    # [num_draft_tokens] in [0, 1)
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
+    max_depth: int | None = None,     # the deepest tree's depth, where the host knows it
+    greedy: tuple[bool, bool] | None = None,   # (any, all) of is_greedy, where the host knows them
 ) -> VerifyOutput:
-    """The greedy or sampling rule for every tree of a ragged batch; `path` holds the accepted tokens."""
+    """The greedy or sampling rule for every tree of a ragged batch; `path` holds the accepted tokens.
+    The sampled walk reads back, once per try, whether a walk is still going (its length is the draw's);
+    greedy trees, with max_depth and greedy given, read nothing back."""
     num_seqs, n = len(cu_num_draft) - 1, len(draft_ids)
+    any_greedy, all_greedy = greedy if greedy is not None else (bool(is_greedy.any()), bool(is_greedy.all()))
     idx = tree_index(cu_num_draft, parents)
     chosen = torch.full((num_seqs,), -1, dtype=torch.long, device=draft_ids.device)
-    if n and bool(is_greedy.any()):
+    if n and any_greedy:
         chosen = _greedy_choice(draft_ids, idx, target_probs.argmax(dim=-1), num_seqs)
     final_row = idx.root_row + 1 + chosen
-    final_tok = target_probs[final_row].argmax(dim=-1) if bool(is_greedy.any()) else None
-    if not bool(is_greedy.all()):
+    final_tok = target_probs[final_row].argmax(dim=-1) if any_greedy else None
+    if not all_greedy:
         cur, r = _sampled_walk(draft_ids, cu_num_draft, idx, target_probs, draft_probs, ~is_greedy, accept_uniforms)
         walked = torch.where(cur < n, idx.pos[cur.clamp(max=max(n - 1, 0))] if n else cur, -1)
         chosen = torch.where(is_greedy, chosen, walked)
         sampled = sample_from_probs(r, sample_uniforms)
         final_tok = sampled if final_tok is None else torch.where(is_greedy, final_tok, sampled)
-    return _assemble_tree(draft_ids, cu_num_draft, idx, chosen, final_tok)
+    return _assemble_tree(draft_ids, cu_num_draft, idx, chosen, final_tok, max_depth)
 
 
 def verify_tree_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor, parents: torch.Tensor,
-                       target_argmax: torch.Tensor) -> VerifyOutput:
+                       target_argmax: torch.Tensor, max_depth: int | None = None) -> VerifyOutput:
     """The greedy rule alone, from the target's argmax per row ([num_draft_tokens + num_seqs])."""
     num_seqs = len(cu_num_draft) - 1
     idx = tree_index(cu_num_draft, parents)
     chosen = (_greedy_choice(draft_ids, idx, target_argmax, num_seqs) if len(draft_ids)
               else torch.full((num_seqs,), -1, dtype=torch.long, device=draft_ids.device))
-    return _assemble_tree(draft_ids, cu_num_draft, idx, chosen, target_argmax[idx.root_row + 1 + chosen])
+    return _assemble_tree(draft_ids, cu_num_draft, idx, chosen, target_argmax[idx.root_row + 1 + chosen], max_depth)
 
 
-def _assemble_tree(draft_ids, cu_num_draft, idx: TreeIndex, chosen, final_tok) -> VerifyOutput:
-    """Per sequence: the accepted path's tokens then the final token (-1 padded), the path's indices."""
+def _assemble_tree(draft_ids, cu_num_draft, idx: TreeIndex, chosen, final_tok, max_depth: int | None) -> VerifyOutput:
+    """Per sequence: the accepted path's tokens then the final token (-1 padded), the path's indices. The
+    accepted tokens land by a scatter whose rejected tokens go to a spare column (no value-dependent shape);
+    max_depth is read from the device only where the caller does not know it."""
     num_seqs, device = len(cu_num_draft) - 1, draft_ids.device
     has = chosen >= 0
     node = (cu_num_draft[:-1] + chosen).clamp(min=0)
@@ -190,11 +197,15 @@ def _assemble_tree(draft_ids, cu_num_draft, idx: TreeIndex, chosen, final_tok) -
     chosen_bits = torch.where(has, idx.bits[node.clamp(max=n - 1)], 0) if n else torch.zeros_like(chosen)
     num_accepted = torch.where(has, idx.depth[node.clamp(max=n - 1)], 0) if n else torch.zeros_like(chosen)
     is_accepted = ((chosen_bits[idx.seq] >> (idx.pos + 1)) & 1).bool()
-    max_depth = int(idx.depth.max()) if n else 0
-    output_ids = torch.full((num_seqs, max_depth + 1), -1, dtype=torch.long, device=device)
-    path = torch.full((num_seqs, max_depth), -1, dtype=torch.long, device=device)
-    acc = is_accepted.nonzero().squeeze(1)
-    output_ids[idx.seq[acc], idx.depth[acc] - 1] = draft_ids[acc]
-    path[idx.seq[acc], idx.depth[acc] - 1] = idx.pos[acc]
-    output_ids[torch.arange(num_seqs, device=device), num_accepted] = final_tok
+    if max_depth is None:
+        max_depth = int(idx.depth.max()) if n else 0
+    spare = max_depth + 1                                  # column of the tokens off the accepted path
+    col = torch.where(is_accepted, idx.depth - 1, spare)
+    output_ids = torch.full((num_seqs, spare + 1), -1, dtype=torch.long, device=device)
+    path = torch.full((num_seqs, spare + 1), -1, dtype=torch.long, device=device)
+    output_ids.index_put_((idx.seq, col), draft_ids)
+    path.index_put_((idx.seq, col), idx.pos)
+    output_ids, path = output_ids[:, :max_depth + 1], path[:, :max_depth]
+    final_col = torch.arange(max_depth + 1, device=device).unsqueeze(0) == num_accepted.unsqueeze(1)
+    output_ids = torch.where(final_col, final_tok.unsqueeze(1), output_ids)
     return VerifyOutput(num_accepted=num_accepted, output_ids=output_ids, is_accepted=is_accepted, path=path)

@@ -153,7 +153,7 @@ def test_greedy_fast_path_equals_general_verifier():
     cu = torch.cat([torch.zeros(1, dtype=torch.long), num_draft.cumsum(0)])
     p = torch.randn(int(cu[-1]) + len(num_draft), 6, generator=gen).softmax(-1)
     target_argmax = p.argmax(-1)
-    _, _, target_row = __import__("pipeline.engine.core.verify", fromlist=["_flat_index"])._flat_index(cu)
+    _, _, target_row = __import__("pipeline.engine.core.verify", fromlist=["_flat_index"])._flat_index(cu, int(cu[-1]))
     # drafts agree with the target's argmax about half the time
     drafts = torch.where(torch.rand(int(cu[-1]), generator=gen) < 0.6, target_argmax[target_row],
                          torch.randint(0, 6, (int(cu[-1]),), generator=gen))

@@ -1,0 +1,182 @@
+"""A step reads the device back once: the engine's round runs on CPU under modes that count every read of
+a tensor's values into Python (`tolist`, `item`, `bool`, `int`, `numpy`, `cpu`) and every op whose output
+shape depends on values (`nonzero`, boolean indexing, `masked_select`, `unique`, `repeat_interleave`
+without its output size). On a GPU each of these waits for the device; the step's one readback is
+VerifyOutput.to_host. Uniforms drawn from a sequence's own CPU generator are host data, not reads.
+
+What still reads back, and is counted so that it cannot grow unseen: a draft model's proposal reads its
+tokens once per draft step (the next draft step's input), and the sampled walk over a token tree reads
+whether a walk is still going once per try (its length is the draw's).
+
+The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
+for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
+"""
+from __future__ import annotations
+
+import collections
+import traceback
+import weakref
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import make_engine, mixed_prompts, tiny_llama
+from pipeline.engine import SamplingParams
+from pipeline.engine.backends.cuda.graphs import UNCAPTURED
+from pipeline.engine.config import TreeParams
+
+READS = {"tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__"}
+VALUE_SHAPED = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique2",
+                "unique_consecutive", "unique_dim"}
+
+
+def _caller() -> str:
+    frames = [f for f in traceback.extract_stack()[:-2] if "/pipeline/" in f.filename]
+    return f"{frames[-1].filename.split('pipeline/')[-1]}:{frames[-1].lineno}" if frames else "?"
+
+
+class _PythonReads(TorchFunctionMode):
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts, self.host = counts, {}         # id -> weakref of host-drawn tensors
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in READS and not (args and self._drawn_on_host(args[0])):
+            self.counts[(name, _caller())] += 1
+        out = func(*args, **kwargs)
+        generator = kwargs.get("generator")
+        if generator is not None and generator.device.type == "cpu" and isinstance(out, torch.Tensor):
+            self.host[id(out)] = weakref.ref(out)      # drawn on the host: reading it waits for nothing
+        return out
+
+    def _drawn_on_host(self, x) -> bool:
+        ref = self.host.get(id(x))
+        return ref is not None and ref() is x
+
+
+class _ValueShapedOps(TorchDispatchMode):
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        shaped = name in VALUE_SHAPED
+        shaped |= (name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+                   and kwargs.get("output_size") is None)
+        shaped |= name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)
+        if shaped and name != "_local_scalar_dense":    # item/bool/int: counted once, as Python reads
+            self.counts[(f"aten.{name}", _caller())] += 1
+        return func(*args, **kwargs)
+
+
+def count_reads(engine, steps: int, arrivals: list[tuple[str, list[int], SamplingParams]]):
+    """Run up to `steps` steps (the arrivals queued first, so their prompt chunks run inside the counted
+    steps); returns, per step that verified (a step whose rows are all still in their prompts verifies
+    nothing), the Counter of its (read, where)."""
+    counts: collections.Counter = collections.Counter()
+    per_step = []
+    with _PythonReads(counts), _ValueShapedOps(counts):
+        for rid, prompt, params in arrivals:
+            engine.add_request(rid, prompt, params)
+        for _ in range(steps):
+            if not engine.has_unfinished():
+                break
+            counts.clear()
+            if engine.step().rounds:
+                per_step.append(collections.Counter(counts))
+            else:
+                assert not counts, dict(counts)
+    return per_step
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                         presence_penalty=0.2)
+TREE = TreeParams(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(), tiny_llama(seed=1)
+
+
+def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParams()):
+    target, draft = models
+    engine = make_engine(target, kind, draft if kind in ("draft", "hybrid") else None, max_num_seqs=4,
+                         max_model_len=160, g=4, cpu_attention="off", cuda_graphs=UNCAPTURED, tree=tree)
+    prompts = mixed_prompts(8, target.config.vocab_size, seed=5)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), p, params)
+    for _ in range(3):                       # warm-up: first-use probes (the bitmask kernel's) are not steps
+        engine.step()
+    steps = count_reads(engine, 30, [(str(i + 4), p, params) for i, p in enumerate(prompts[4:])])
+    assert len(steps) >= 20
+    return steps
+
+
+def _only_the_readback(counts: collections.Counter) -> bool:
+    """The step's reads are VerifyOutput.to_host's one."""
+    return list(counts.elements()) == [("tolist", "engine/core/verify.py:59")] or (
+        len(counts) == 1 and sum(counts.values()) == 1 and next(iter(counts))[0] == "tolist"
+        and "core/verify.py" in next(iter(counts))[1])
+
+
+def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter, collections.Counter]:
+    mine = collections.Counter({k: v for k, v in counts.items() if where in k[1]})
+    return mine, counts - mine
+
+
+@pytest.mark.parametrize("kind,params,tree", [
+    ("none", GREEDY, TreeParams()), ("none", SAMPLED, TreeParams()),
+    ("ngram", GREEDY, TreeParams()), ("ngram", SAMPLED, TreeParams()),
+    ("suffix", GREEDY, TreeParams()), ("suffix", SAMPLED, TreeParams()),
+    ("ngram", GREEDY, TREE), ("suffix", GREEDY, TREE),
+], ids=["none-greedy", "none-sampled", "ngram-greedy", "ngram-sampled", "suffix-greedy", "suffix-sampled",
+        "ngram-tree-greedy", "suffix-tree-greedy"])
+def test_a_step_reads_the_device_back_once(models, kind, params, tree):
+    for counts in _run(models, kind, params, tree):
+        assert _only_the_readback(counts), dict(counts)
+
+
+@pytest.mark.parametrize("kind", ["draft", "hybrid"])
+def test_a_draft_model_reads_its_tokens_once_per_draft_step(models, kind):
+    drafted = 0
+    for counts in _run(models, kind, SAMPLED):
+        draft_steps, rest = _split(counts, "drafting/draft_model.py")
+        assert _only_the_readback(rest), dict(rest)
+        assert set(name for name, _ in draft_steps) <= {"tolist"} and sum(draft_steps.values()) <= 4   # g = 4
+        drafted += sum(draft_steps.values())
+    assert drafted > 0
+
+
+def test_the_sampled_tree_walk_reads_once_per_try(models):
+    walked = 0
+    for counts in _run(models, "suffix", SAMPLED, TREE):
+        walk, rest = _split(counts, "core/verify_tree.py")
+        assert _only_the_readback(rest), dict(rest)
+        tries = sum(v for (name, _), v in walk.items() if name == "__bool__")
+        assert tries <= 4 * TREE.max_tokens + 1      # a try per node of the 4 rows' trees at most, and the last
+        walked += tries
+    assert walked > 0
+
+
+def test_the_counter_sees_a_read_and_a_value_shaped_op():
+    """The modes above can fail: an item() and a nonzero in engine code are counted."""
+    counts: collections.Counter = collections.Counter()
+    x = torch.tensor([0, 3, 0, 5])
+    with _PythonReads(counts), _ValueShapedOps(counts):
+        from pipeline.engine.core import verify
+        verify.first_rejections(torch.tensor([True, False]), torch.tensor([0, 2])).tolist()
+        int(x.sum())
+        x.nonzero()
+        x[x > 0]
+    names = collections.Counter(name for name, _ in counts.elements())
+    assert names["tolist"] == 1 and names["__int__"] == 1 and names["aten.nonzero"] == 1
+    assert names["aten.index"] == 1
