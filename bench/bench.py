@@ -15,18 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench.run_one import MODELS
+from bench.common import MODELS, VLLM_PY, load_json, load_prompts, run_config, run_vllm_runner, spread
 from pipeline.loading.hardware import resolve_dtype
-
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = ROOT / "bench/.venv-vllm/bin/python"
 
 
 def suite(model: str, n_all: int, n_b1: int, all_seqs: int | str = 32, compile: str = "auto",
@@ -77,42 +70,21 @@ def suite(model: str, n_all: int, n_b1: int, all_seqs: int | str = 32, compile: 
     return configs
 
 
-def run_config(cfg: dict, model: str, prompts_file: Path, out: Path, common: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "bench.run_one", "--model", model, "--prompts", str(prompts_file),
-           "--out", str(out), *common, *cfg["args"]]
-    return _run(cmd, out, dict(os.environ))
-
-
 def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int, out: Path,
              common: list[str], prefix_cache: str = "on") -> dict[str, list[dict]]:
     """vLLM's CPU build in its own venv: one load, batch all and batch 1, `repeats` times each."""
     from pipeline.loading.models import resolve_hf_dir
     arg = lambda k: common[common.index(k) + 1]
     target, draft = MODELS[model]
-    cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
-           str(resolve_hf_dir(target)), "--prompts-json", str(prompts_file),
-           "--max-tokens", arg("--max-tokens"), "--dtype", arg("--dtype"), "--mode", mode, "--batch", "all,1",
-           "--n-b1", str(n_b1), "--repeats", str(repeats), "--max-num-batched-tokens", "4096", "--out", str(out)]
-    if mode == "draft":
-        cmd += ["--draft-dir", str(resolve_hf_dir(draft))]
-    if prefix_cache == "on":
-        cmd += ["--prefix-caching"]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    res = _run(cmd, out, env)
+    extra = ["--draft-dir", str(resolve_hf_dir(draft))] if mode == "draft" else []
+    extra += ["--prefix-caching"] if prefix_cache == "on" else []
+    res = run_vllm_runner(resolve_hf_dir(target), prompts_file, out, mode=mode, batch="all,1",
+                          max_tokens=arg("--max-tokens"), dtype=arg("--dtype"), n_b1=n_b1, repeats=repeats,
+                          extra=extra)
     if "error" in res:
         return {f"vllm_{mode}_{b}": [res] for b in ("all", "b1")}
     return {f"vllm_{mode}_all": [r for r in res["runs"] if r["batch"] == "all"],
             f"vllm_{mode}_b1": [r for r in res["runs"] if r["batch"] == "1"]}
-
-
-def _run(cmd: list[str], out: Path, env: dict) -> dict:
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:], "cmd": " ".join(cmd)}
-    res = json.load(open(out))
-    res["process_s"] = time.time() - t0
-    return res
 
 
 def predicted_speedup(spec: dict, base: dict) -> float | None:
@@ -139,7 +111,8 @@ def summarise(configs: list[dict], runs: dict[str, list[dict]]) -> list[dict]:
             continue
         tps = [r["tokens_per_s"] for r in ok]
         med = ok[sorted(range(len(ok)), key=lambda i: tps[i])[len(ok) // 2]]
-        row = {"name": cfg["name"], "n": cfg["n"], "tok_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+        tok_s = spread(tps)
+        row = {"name": cfg["name"], "n": cfg["n"], "tok_s": tok_s["median"], "min": tok_s["min"], "max": tok_s["max"],
                "acceptance": med.get("acceptance_rate"), "tokens_per_round": med.get("mean_tokens_per_round"),
                "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in ok), "runs": len(ok), "_med": med}
         rows.append(row)
@@ -211,7 +184,7 @@ def main() -> None:
     ap.add_argument("--from-files", action="store_true", help="only summarise the run files already written")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    prompts = json.load(open(args.prompts))
+    prompts = load_prompts(args.prompts)
     workdir = Path(args.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -251,11 +224,11 @@ def main() -> None:
 
 def load_runs(configs: list[dict], workdir: Path) -> dict[str, list[dict]]:
     runs = {c["name"]: sorted(workdir.glob(f"{c['name']}_[0-9].json")) for c in configs}
-    runs = {k: [json.load(open(f)) for f in v] for k, v in runs.items()}
+    runs = {k: [load_json(f) for f in v] for k, v in runs.items()}
     for mode in ("plain", "ngram", "draft"):
         f = workdir / f"vllm_{mode}.json"
         if f.exists():
-            res = json.load(open(f))["runs"]
+            res = load_json(f)["runs"]
             runs[f"vllm_{mode}_all"] = [r for r in res if r["batch"] == "all"]
             runs[f"vllm_{mode}_b1"] = [r for r in res if r["batch"] == "1"]
     return {k: v for k, v in runs.items() if v}
@@ -312,7 +285,7 @@ def add_flops(rows: list[dict], prompt_tokens: dict[int, int], params: int, peak
 def report(configs: list[dict], runs: dict[str, list[dict]], args) -> None:
     configs = [c for c in configs if runs.get(c["name"])]
     rows = summarise(configs, runs)
-    prompts = json.load(open(args.prompts))
+    prompts = load_prompts(args.prompts)
     peak = matmul_peak_gflops(args.dtype)
     add_flops(rows, {n: sum(len(p) for p in prompts[:n]) for n in {args.n_all, args.n_b1}},
               num_params(args.model), peak)

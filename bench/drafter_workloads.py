@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from bench.common import load_prompts, run_config, spread
 
 WORKLOADS = {"mixed": ("bench/out/prompts_smollm2_256.json", 0.0),
              "templated": ("bench/out/prompts_templated.json", 0.7),
@@ -39,19 +39,17 @@ def parse_drafters(spec: str) -> list[tuple[str, list[str]]]:
 
 def run(workload: str, drafter: str, extra: list[str], batch: str, args, workdir: Path) -> dict:
     path, temperature = WORKLOADS[workload]
-    prompts = json.load(open(path))[:args.n]
+    prompts = load_prompts(path, args.n)
     pfile = workdir / f"prompts_{workload}_{args.n}.json"
     json.dump(prompts, open(pfile, "w"))
     name = f"{workload}_{drafter}{'_adaptive' if extra else ''}_{batch}"
     out = workdir / f"{name}.json"
-    cmd = [sys.executable, "-m", "bench.run_one", "--model", "smollm2", "--mode", "engine", "--drafter", drafter,
-           "--batch", str(len(prompts) if batch == "all" else int(batch[1:])), "--prompts", str(pfile), "--out", str(out),
-           "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--dtype", "float32",
-           "--suffix", args.suffix, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"name": name, "error": proc.stderr[-400:]}
-    res = json.load(open(out))
+    running = len(prompts) if batch == "all" else int(batch[1:])
+    cfg = {"args": ["--mode", "engine", "--drafter", drafter, "--batch", str(running), "--max-tokens", str(args.max_tokens),
+                    "--temperature", str(temperature), "--dtype", "float32", "--suffix", args.suffix, *extra]}
+    res = run_config(cfg, "smollm2", pfile, out, [])
+    if "error" in res:
+        return {"name": name, "error": res["error"][-400:]}
     rounds = res["num_rounds"]
     return {"name": name, "workload": workload, "drafter": drafter + (" (adaptive)" if extra else ""),
             "batch": batch, "tok_s": res["tokens_per_s"], "acceptance": res["acceptance_rate"],
@@ -81,8 +79,8 @@ def main() -> None:
                 runs = [run(workload, drafter, extra, batch, args, workdir) for _ in range(args.repeats)]
                 row = runs[0]
                 if "error" not in row:
-                    rates = sorted(r["tok_s"] for r in runs if "error" not in r)
-                    row.update(tok_s=rates[len(rates) // 2], tok_s_min=rates[0], tok_s_max=rates[-1])
+                    rates = spread([r["tok_s"] for r in runs if "error" not in r])
+                    row.update(tok_s=rates["median"], tok_s_min=rates["min"], tok_s_max=rates["max"])
                     base = row["tok_s"] if base is None else base
                     row["speedup"] = row["tok_s"] / base
                 rows.append(row)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -145,6 +144,7 @@ def one(args) -> None:
 
 
 def suite(args) -> None:
+    from bench.common import spread
     rows = write_shards(args.n, Path(args.shards))
     names = args.configs or list(CONFIGS)
     results: dict[str, list[dict]] = {name: [] for name in names}
@@ -165,7 +165,7 @@ def suite(args) -> None:
     summary = {"n_prompts": len(rows), "max_tokens": args.max_tokens, "batch": args.batch,
                "rows_per_unit": args.rows_per_unit, "repeats": args.repeats, "model": MODEL, "configs": {}}
     for name, runs in results.items():
-        entry = {k: _stat([r[k] for r in runs]) for k in runs[0] if k != "outputs" and k != "rows"}
+        entry = {k: spread([r[k] for r in runs]) for k in runs[0] if k != "outputs" and k != "rows"}
         entry["identical_to_engine"] = sum(r["outputs"] == reference for r in runs) / len(runs)
         summary["configs"][name] = entry
     c = summary["configs"]
@@ -184,10 +184,6 @@ def _write(args, summary: dict) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "configs"}, indent=2))
-
-
-def _stat(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _passthrough(args) -> list[str]:

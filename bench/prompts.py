@@ -13,6 +13,7 @@ never imported; their own dependencies are not installed) and only `build_prompt
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import itertools
 import json
@@ -142,4 +143,5 @@ def _self_check() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description="Self-check: prompts per set, each set's first, mixed(12)'s ids.").parse_args()
     _self_check()

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from bench import hf_baselines
+from bench.common import MODELS, load_json, load_prompts
 from pipeline.engine import DraftingConfig, EngineConfig, Kernels, SuffixParams, TreeParams
 from pipeline.job.config import ModelsConfig
 from pipeline.engine import SamplingParams
@@ -27,12 +28,6 @@ from pipeline.loading.hardware import resolve_dtype
 from pipeline.loading.models import ModelSpec, load_model
 from pipeline.job.runtime import build_engine
 from pipeline.job.validity import check_record
-
-MODELS = {   # name -> (target, draft)
-    "smollm2": ("smollm2-135m-instruct", None),
-    "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-}
-
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -66,7 +61,7 @@ def run_engine(args, prompts: list[list[int]]) -> dict:
     if args.calibrate or args.adaptive:
         engine.calibrate()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    formats = json.load(open(args.formats)) if args.formats else [None] * len(prompts)
+    formats = load_json(args.formats) if args.formats else [None] * len(prompts)
     params = [replace(params, response_format=f) for f in formats[:len(prompts)]]
     _drain(engine, prompts[:2], [replace(p, max_tokens=8) for p in params[:2]], "warm")
     engine.reset_prefix_cache()           # the warm-up's prompts must not be reused by the timed run
@@ -180,7 +175,7 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, args.device)
     print(f"dtype: {dtype.describe()}", file=sys.stderr, flush=True)
     args.dtype = dtype.dtype                      # every system below runs in the resolved dtype
-    prompts = json.load(open(args.prompts))
+    prompts = load_prompts(args.prompts)
     res = run_engine(args, prompts) if args.mode == "engine" else run_hf(args, prompts)
     res.update({"mode": args.mode, "drafter": args.drafter, "adaptive": args.adaptive, "batch": args.batch,
                 "model": args.model, "dtype": args.dtype, "dtype_reason": dtype.reason,

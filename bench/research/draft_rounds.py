@@ -1,7 +1,7 @@
 """Where a drafter's rounds go: the distribution of draft lengths, the accepted count per draft
 length, and acceptance by draft position, over one engine run (SmolLM2, our engine).
 
-    .venv/bin/python -m bench.draft_rounds --prompts bench/out/prompts_templated.json --n 48 --batch 4 \
+    .venv/bin/python -m bench.research.draft_rounds --prompts bench/out/prompts_templated.json --n 48 --batch 4 \
         --temperature 0.7 --drafter suffix --suffix '{"min_match": 1}'
 
 Tokens per round and steps are what the drafter buys; timing is not measured here (bench.run_one
@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from bench.common import load_prompts
 from pipeline.engine import DraftingConfig, EngineConfig, SuffixParams
 from pipeline.job.config import ModelsConfig
 from pipeline.engine import SamplingParams
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = json.load(open(args.prompts))[:args.n]
+    prompts = load_prompts(args.prompts, args.n)
     models = ModelsConfig(target="smollm2-135m-instruct", dtype="float32", device="cpu")
     drafting = DraftingConfig(method=args.drafter, num_speculative_tokens=args.g,
                               suffix=SuffixParams(**json.loads(args.suffix)))

@@ -1,7 +1,7 @@
 """Where a GPU step's time goes: compiles met in a timed run, and the host's view of batch-1 steps.
 
-    python3 -m bench.gpu_profile                          # random-init SmolLM2-135M shape, bf16, CUDA
-    python3 -m bench.gpu_profile --device cpu --tiny      # dry run of this script on a CPU
+    python3 -m bench.research.gpu_profile                          # random-init SmolLM2-135M shape, bf16, CUDA
+    python3 -m bench.research.gpu_profile --device cpu --tiny      # dry run of this script on a CPU
 
 1. compiles: the n-gram tree at every prompt at once, compile on (FlexAttention), CUDA graphs on,
    run twice in one process (bench/gpu_bench.py's run_config, warm-up included), then with graphs

@@ -4,7 +4,7 @@ For each library: cold compile time of a 20-field nested JSON schema and of a re
 compile again (its cache), and mask time per decoding step at 1 / 32 / 64 rows, each row a matcher
 walking a valid record token by token (mask, then consume). Prints one table; medians over repeats.
 
-    .venv/bin/python -m bench.grammar_backends --model smollm2-135m-instruct
+    .venv/bin/python -m bench.research.grammar_backends --model smollm2-135m-instruct
 """
 from __future__ import annotations
 

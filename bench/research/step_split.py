@@ -1,9 +1,9 @@
 """Where one decoding / verify step's time goes: linears (whichever kernel the linear plan runs, lm_head
 apart), attention (our kernel), and the rest (every other op of the forward, and Python), on the real SmolLM2.
 
-    .venv/bin/python -m bench.step_split --dtypes float32,bfloat16 --shapes 32x1,64x1,32x5,8x256@0 --fused auto,off
-    .venv/bin/python -m bench.step_split --dtypes float32 --shapes 1x1,4x3,64x1 --fused auto --decoder auto,off
-    .venv/bin/python -m bench.step_split --dtypes bfloat16 --shapes 1x1,64x1 --fused auto --decoder auto --linear auto,on
+    .venv/bin/python -m bench.research.step_split --dtypes float32,bfloat16 --shapes 32x1,64x1,32x5,8x256@0 --fused auto,off
+    .venv/bin/python -m bench.research.step_split --dtypes float32 --shapes 1x1,4x3,64x1 --fused auto --decoder auto,off
+    .venv/bin/python -m bench.research.step_split --dtypes bfloat16 --shapes 1x1,64x1 --fused auto --decoder auto --linear auto,on
 
 Each shape is rows x tokens per row at ~330 context (300-360), or from a given position (8x256@0: a
 2048-token prefill chunk of 8 prompts). The kernels' calls are timed by

@@ -7,14 +7,14 @@ the accepted prefix of the draft plus one token of the sequence's true output, o
 sequences are released into the index and replaced. Reports microseconds per sequence per round
 (propose + on_commit + release, amortised) and the accepted length.
 
-    .venv/bin/python -m bench.suffix_lookup [--batch 32] [--cached 300] [--rounds 200]
+    .venv/bin/python -m bench.research.suffix_lookup [--batch 32] [--cached 300] [--rounds 200]
 
 Memory of the worker-wide index under a long job (--memory): real token text (the bench's prompt
 file, sequence after sequence, as many passes as it takes) flows through a SuffixCache of each
 --caps size, so it fills and then evicts; reports nodes and the bytes Python allocated for the trie
 (tracemalloc) once full, and after 3x the cap has passed through (bounded: the same).
 
-    .venv/bin/python -m bench.suffix_lookup --memory --caps 8192,32768,131072
+    .venv/bin/python -m bench.research.suffix_lookup --memory --caps 8192,32768,131072
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import random
 import time
 import tracemalloc
 
+from bench.common import load_prompts
 from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
 from pipeline.engine.drafting.suffix import SuffixCache
 from pipeline.engine.core.request import Sequence
@@ -111,7 +112,7 @@ def main() -> None:
     ap.add_argument("--texts", default="bench/out/prompts_smollm2_256.json")
     args = ap.parse_args()
     if args.memory:
-        texts = json.load(open(args.texts))
+        texts = load_prompts(args.texts)
         for cap in map(int, args.caps.split(",")):
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in memory(cap, texts).items()}))
         return

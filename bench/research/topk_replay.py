@@ -14,7 +14,7 @@ text so far. A round at position t then accepts, exactly as the engine would:
 
 and the round moves past its accepted tokens and one more (recovered or bonus), as at batch 1.
 
-    .venv/bin/python -m bench.topk_replay --draft qwen2.5-coder-0.5b-instruct \\
+    .venv/bin/python -m bench.research.topk_replay --draft qwen2.5-coder-0.5b-instruct \\
         --prompts bench/out/trees_qwen_b4/prompts_grounded_b4.json \\
         --texts bench/out/trees_qwen_b4/grounded_b4_plain_0.json
 
@@ -23,10 +23,10 @@ Reported per setting: accepted draft tokens per round, draft tokens per round, r
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from bench.common import load_texts
 from pipeline.loading.models import ModelSpec, load_model
 
 
@@ -64,8 +64,7 @@ def main() -> None:
     ap.add_argument("--k", default="1,2,3,4", help="first-position branches (1: the path)")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    texts = json.load(open(args.texts))["outputs"]
-    prompts = json.load(open(args.prompts))[:len(texts)]
+    prompts, texts = load_texts(args.texts, args.prompts)
     model, _ = load_model(ModelSpec(args.draft, args.dtype))
     ranks = []
     for prompt, text in zip(prompts, texts):

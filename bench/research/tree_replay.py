@@ -13,7 +13,7 @@ default for sampled rows, a draw from the counts with q, is not replayed.) Seque
 
     .venv/bin/python -m bench.run_one --model smollm2 --mode engine --drafter none --batch 1 \\
         --prompts bench/out/prompts_grounded.json --max-tokens 128 --out bench/out/plain_grounded.json
-    .venv/bin/python -m bench.tree_replay --prompts bench/out/prompts_grounded.json \\
+    .venv/bin/python -m bench.research.tree_replay --prompts bench/out/prompts_grounded.json \\
         --texts bench/out/plain_grounded.json
 
 Reported per setting: accepted draft tokens per round, draft tokens per round, rounds.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench.common import load_texts
 from pipeline.engine import SamplingParams, SuffixParams, TreeParams
 from pipeline.engine.core.request import Sequence
 from pipeline.engine.core.tree import children
@@ -106,9 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     step_ms = tuple(map(float, args.step_ms.split(","))) if args.step_ms else None
     suffix = json.loads(args.suffix)
-    prompts = json.load(open(args.prompts))
-    texts = json.load(open(args.texts))["outputs"]
-    prompts = prompts[:len(texts)]
+    prompts, texts = load_texts(args.texts, args.prompts)
     rows = []
     for kind in ("ngram", "suffix"):
         make = ((lambda t: NgramDrafter(args.ngram_min, tree=t)) if kind == "ngram"

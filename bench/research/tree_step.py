@@ -1,7 +1,7 @@
 """One target forward with a token tree against the same tokens as single paths, on the real SmolLM2
 (or any shipped model): does a tree's attention cost more than a path's at the same token count?
 
-    .venv/bin/python -m bench.tree_step --repeats 25
+    .venv/bin/python -m bench.research.tree_step --repeats 25
 
 Shapes (rows at ~330-345 context; the tree: 16 draft tokens under a root, 3 root children, at most 3
 per node, 8 deep):
@@ -12,10 +12,10 @@ per node, 8 deep):
 Median ms per forward (min-max) over --repeats after 3 warm-ups, the shapes interleaved so the box's
 drift hits all alike; one process, 2 threads, the model's kernels as a job would choose them.
 
-    .venv/bin/python -m bench.tree_step --curve --repeats 20
+    .venv/bin/python -m bench.research.tree_step --curve --repeats 20
 
 --curve: batch 1 only, one row of 1..17 tokens (a chain) at context 330, and the least-squares line
-through those medians (A + B x tokens: what `bench.tree_replay --step-ms` takes, with A raised by
+through those medians (A + B x tokens: what `bench.research.tree_replay --step-ms` takes, with A raised by
 the step's cost outside the forward).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why: with the linears, attention, RMSNorms and the MLP's product in our C kernel
 step was glue: Hugging Face's module calls (~0.3 ms per layer in Python), RoPE as six torch ops, the
 residual adds, and the KV write as two index_puts. On this project's 2-core box (SmolLM2-135M, fp32)
 that "rest" measured 12.3 ms of a 35.9 ms batch-1 step and 15.8 of 50.4 ms for 4 rows x 3 tokens
-(bench/step_split.py). Here each layer is
+(bench/research/step_split.py). Here each layer is
 
     h = norm(residual)                      (the previous layer's add and this norm: one pass)
     q, k, v = qkv(h)                        (one panel-kernel call where the plan takes panels: q/k/v's

@@ -1,0 +1,116 @@
+"""Every benchmark script still starts: its `--help` prints the usage and exits 0, its `--tiny` dry run
+(where it has one) finishes, each shell script parses (`bash -n`) and each library imports. Nothing
+here measures anything or needs a model checkpoint.
+
+The `--help` runs share one child interpreter: each script runs there as `python -m` runs it
+(runpy, as __main__, from the repository root), so torch and the engine are imported once rather
+than once a script (3-6 s each on two cores). The dry runs get a process each."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAINTAINED = ["bench", "run_one", "make_prompts", "make_templated", "prompts", "structured", "structured_bench",
+              "drafter_workloads", "tree_bench", "pipeline_bench", "reader_memory", "step_bench", "linear_kernels",
+              "gpu_bench", "vllm_runner"]
+RESEARCH = ["attention_kernel", "draft_rounds", "drafter_sim", "gpu_profile", "grammar_backends", "step_split",
+            "suffix_lookup", "topk_replay", "tree_replay", "tree_step"]
+SCRIPTS = MAINTAINED + [f"research.{name}" for name in RESEARCH]
+LIBRARIES = ["common", "hf_baselines", "prompts"]          # imported by the scripts
+SHELL = ["gpu_check.sh", "setup_vllm.sh", "research/alternating.sh"]
+TINY = {   # script -> its dry run's arguments
+    "gpu_bench": ["--device", "cpu", "--dtype", "float32", "--tiny"],
+    "research.gpu_profile": ["--device", "cpu", "--dtype", "float32", "--tiny"],
+}
+
+_HELP_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for name in sys.argv[1:]:
+    sys.argv = [name, "--help"]
+    text, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            code = stop.code or 0
+        except BaseException:
+            code = traceback.format_exc()
+    results[name] = [code, text.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def _env() -> dict[str, str]:
+    """Ours without $OUT: the GPU scripts write their logs there when it is set."""
+    return {k: v for k, v in os.environ.items() if k != "OUT"}
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, tuple[int | str, str]]:
+    """script -> (exit code or traceback, what its --help printed)."""
+    proc = subprocess.run([sys.executable, "-c", _HELP_ALL, *(f"bench.{s}" for s in SCRIPTS)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name.removeprefix("bench."): tuple(r) for name, r in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+def test_every_script_is_listed():
+    found = {p.stem for p in (ROOT / "bench").glob("*.py")} | {f"research.{p.stem}"
+                                                               for p in (ROOT / "bench/research").glob("*.py")}
+    assert found - {"__init__", "research.__init__"} == set(SCRIPTS) | set(LIBRARIES)
+    shells = [*(ROOT / "bench").glob("*.sh"), *(ROOT / "bench/research").glob("*.sh")]
+    assert {str(p.relative_to(ROOT / "bench")) for p in shells} == set(SHELL)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(helps, script):
+    code, text = helps[script]
+    assert code == 0, f"{code}\n{text[-3000:]}"
+    assert "usage:" in text and "-h, --help" in text, text[-3000:]
+    assert ("--tiny" in text) == (script in TINY), "a --tiny dry run belongs in TINY"
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("research.") else s
+                                    for s in TINY])
+def test_tiny_dry_run(tmp_path, script):
+    extra = ["--out", str(tmp_path / "out.json")] if script == "gpu_bench" else []
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *TINY[script], *extra], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    if script == "gpu_bench":
+        assert json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("script", SHELL)
+def test_shell_parses(script):
+    proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_library_imports(library):
+    __import__(f"bench.{library}")
+
+
+def test_drafter_sim_replays_the_suffix_walk(tmp_path, capsys, monkeypatch):
+    """The suffix drafter's lookup answers a Walk: the replay drafts its tokens and, on a text that
+    repeats, has some accepted (more than one token a round)."""
+    from bench.research import drafter_sim
+    motif = [11, 12, 13, 14, 15, 16]
+    prompts, outputs = [[1, 2, 3] + motif] * 3, [motif * 4] * 3
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts + [[9]]))      # longer than the run: cut to it
+    (tmp_path / "run.json").write_text(json.dumps({"outputs": outputs}))
+    monkeypatch.setattr(sys, "argv", ["drafter_sim", "--run", str(tmp_path / "run.json"), "--prompts",
+                                      str(tmp_path / "prompts.json"), "--batch", "2", "--ngram", "--suffix", "{}"])
+    drafter_sim.main()
+    lines = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert set(lines) == {"ngram", "suffix {}"}
+    for line in lines.values():
+        assert float(line.split("tokens/round")[1].split()[0]) > 1.5, line
