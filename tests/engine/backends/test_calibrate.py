@@ -277,3 +277,29 @@ def test_near_equal_kernels_make_no_extra_switch():
     times = {"panel": {1: 2.2, 2: 1.4, 4: 1.6, 8: 2.8, 64: 20.0},
              "onednn": {1: 2.15, 2: 1.8, 4: 1.9, 8: 1.9, 64: 3.1}}
     assert cal.choose_plan(times).describe() == "panel<=4 onednn"
+
+
+# One start on a busy machine: both kinds read the scheduler's slices, not the work (16 to 512 tokens).
+BUSY = {16: {"kernel": 7.98, "sdpa": 8.01}, 64: {"kernel": 23.99, "sdpa": 24.0},
+        256: {"kernel": 23.99, "sdpa": 24.0}, 512: {"kernel": 24.07, "sdpa": 23.97}}
+QUIET = {16: {"kernel": 0.05, "sdpa": 0.1}, 64: {"kernel": 0.2, "sdpa": 0.2},
+         256: {"kernel": 1.4, "sdpa": 0.8}, 512: {"kernel": 4.8, "sdpa": 1.9}}
+
+
+def test_timings_that_do_not_grow_with_the_work_are_taken_again_and_never_cached(tmp_path):
+    assert cal.disturbed(BUSY) and not cal.disturbed(QUIET)
+    runs = iter([BUSY, QUIET])
+    timings, busy = cal._undisturbed(lambda: next(runs), "attention plan")
+    assert timings == QUIET and not busy
+    with pytest.warns(UserWarning, match="not cached"):
+        timings, busy = cal._undisturbed(lambda: BUSY, "attention plan")
+    assert timings == BUSY and busy
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return "plan", None                       # a disturbed plan: used, not written
+
+    assert cal._cached(tmp_path, "attention-plan", "k", lambda d: "cached", measure) == "plan"
+    assert cal._cached(tmp_path, "attention-plan", "k", lambda d: "cached", measure) == "plan"
+    assert len(calls) == 2 and not list(tmp_path.glob("*.json"))

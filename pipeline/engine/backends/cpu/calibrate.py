@@ -40,6 +40,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -316,9 +317,9 @@ def measuring_alone(name: str, folder: Path | None = None):
 def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
             measure: Callable[[], tuple[object, dict]]):
     """`load` of the file `name-key.json` in `folder` where this machine wrote one, else the result of
-    `measure` (result, its JSON), written there. Workers starting together on one machine: one
-    measures (timings taken side by side would be each other's noise) while the others wait on the
-    lock, then read its file."""
+    `measure` (result, its JSON), written there; a measurement whose JSON is None is used but not kept.
+    Workers starting together on one machine: one measures (timings taken side by side would be each
+    other's noise) while the others wait on the lock, then read its file."""
     path = folder / f"{name}-{key}.json"
     with measuring_alone(f"{name}-{key}", folder):
         try:
@@ -326,6 +327,8 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
         except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure
             pass
         result, data = measure()
+        if data is None:
+            return result
         try:
             fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json")
             with os.fdopen(fd, "w") as f:
@@ -346,6 +349,30 @@ def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmups: 
             if rep >= warmups:
                 laps[name].append(time.perf_counter() - t0)
     return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+
+
+def disturbed(timings: dict[int, dict[str, float]], least_growth: float = 5.0) -> bool:
+    """Whether row timings say the machine was busy elsewhere while they were taken: from the fewest rows
+    measured to the most, every kind's work grows many times over (attention's 32x tokens from position
+    0: ~1000x the products; an MLP's 32x rows), and quiet measurements grew 14x at the least (torch's
+    attention, 16 to 512 tokens; an MLP in bf16, 64 to 2,048 rows). A kind whose time grew less than
+    `least_growth` times measured the machine's other load (one start read 8 / 24 / 24 / 24 ms at 16 to
+    512 tokens for both kinds)."""
+    ns = sorted(timings)
+    return len(ns) > 1 and any(timings[ns[-1]][k] < least_growth * timings[ns[0]][k] for k in timings[ns[0]])
+
+
+def _undisturbed(measure: Callable[[], dict[int, dict[str, float]]], what: str,
+                 tries: int = 3) -> tuple[dict[int, dict[str, float]], bool]:
+    """`measure`'s timings, taken again (up to `tries` in all) while they look disturbed; (timings, whether
+    the last still did: such a plan serves this process and is not cached)."""
+    for _ in range(tries):
+        timings = measure()
+        if not disturbed(timings):
+            return timings, False
+    warnings.warn(f"{what}: timings did not grow with the work in {tries} tries (the machine is busy); "
+                  f"the plan from the last is used and not cached", stacklevel=2)
+    return timings, True
 
 
 def _row_timings(data: dict) -> dict[int, dict[str, float]]:
@@ -446,9 +473,9 @@ def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torc
 
     def measured() -> tuple[AttentionPlan, dict]:
         t0 = time.perf_counter()
-        timings = measure_attention(kernel, heads, kv_heads, dim, dtype)
+        timings, busy = _undisturbed(lambda: measure_attention(kernel, heads, kv_heads, dim, dtype), "attention plan")
         plan = AttentionPlan(key, timings, choose_sdpa_from(timings), time.perf_counter() - t0)
-        return plan, plan.to_json()
+        return plan, None if busy else plan.to_json()
     return _cached(folder or plans_folder(), "attention-plan", key, AttentionPlan.from_json, measured)
 
 
@@ -509,7 +536,7 @@ def calibrate_mlp(mlp: torch.nn.Module, ops, folder: Path | None = None) -> MlpP
 
     def measured() -> tuple[MlpPlan, dict]:
         t0 = time.perf_counter()
-        timings = measure_mlp(mlp, ops)
+        timings, busy = _undisturbed(lambda: measure_mlp(mlp, ops), "MLP plan")
         plan = MlpPlan(key, timings, choose_merged(timings), time.perf_counter() - t0)
-        return plan, plan.to_json()
+        return plan, None if busy else plan.to_json()
     return _cached(folder or plans_folder(), "mlp-plan", key, MlpPlan.from_json, measured)
