@@ -4,7 +4,8 @@
 
 Each configuration runs in its own process (bench/run_one.py, or bench/vllm_runner.py inside
 bench/.venv-vllm for vLLM's CPU build), one after another, `--repeats` times, interleaved so that
-drift hits every configuration alike. Reported: median tokens/s with min-max spread, acceptance,
+drift hits every configuration alike: each repeat runs all of ours, then vLLM's (one load per mode and
+repeat, both batch settings), so a ratio's two sides come from the same stretch of time. Reported: median tokens/s with min-max spread, acceptance,
 tokens per round, peak RSS, the fraction of outputs identical to our engine without a draft, and the
 speedup our cost model predicts from the measured acceptance and the calibrated draft and verify
 costs (see bench/RESULTS.md for the model). Prompt-prefix caching is the same on both sides
@@ -62,7 +63,7 @@ def suite(model: str, n_all: int, n_b1: int, all_seqs: int | str = 32, compile: 
                          "args": eng("draft", batch, "--calibrate", "--draft-dtype", "bfloat16")},
                         {"name": f"ours_adaptive_draft_bf16draft_{name}", "n": n, "base": f"ours_none_{name}",
                          "args": eng("draft", batch, "--adaptive", "--draft-dtype", "bfloat16")}]
-    if VLLM_PY.exists():    # one process per mode runs both batch settings, all repeats
+    if VLLM_PY.exists():    # one process per mode and repeat runs both batch settings
         for mode, base in (("plain", None), (spec, "plain")):
             for batch, n in (("all", n_all), ("b1", n_b1)):
                 configs.append({"name": f"vllm_{mode}_{batch}", "n": n, "vllm": mode,
@@ -203,6 +204,7 @@ def main() -> None:
         report(configs, load_runs(configs, workdir), args)
         return
     ours = [c for c in configs if "vllm" not in c]
+    modes = sorted({c["vllm"] for c in configs if "vllm" in c})
     for rep in range(args.repeats):
         for cfg in ours:
             res = run_config(cfg, args.model, files[cfg["n"]], workdir / f"{cfg['name']}_{rep}.json", common)
@@ -213,12 +215,14 @@ def main() -> None:
                 print("    kernels: " + "; ".join(res["kernels"]), flush=True)
             if rep == 0 and res.get("slots_reason"):
                 print(f"    max_num_seqs {res['max_num_seqs']}: {res['slots_reason']}", flush=True)
-    for mode in sorted({c["vllm"] for c in configs if "vllm" in c}):
-        got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, args.repeats,
-                       workdir / f"vllm_{mode}.json", common, args.prefix_cache)
-        runs.update({k: v for k, v in got.items() if k in runs})
-        print(f"vllm {mode}: " + ", ".join(f"{k} {[round(r.get('tokens_per_s', 0), 1) for r in v]}"
-                                           for k, v in got.items()), flush=True)
+        for mode in modes:
+            got = run_vllm(mode, args.model, files[args.n_all], args.n_b1, 1,
+                           workdir / f"vllm_{mode}_{rep}.json", common, args.prefix_cache)
+            for k, v in got.items():
+                if k in runs:
+                    runs[k] += v
+            print(f"[{rep}] vllm {mode}: " + ", ".join(f"{k} {[round(r.get('tokens_per_s', 0), 1) for r in v]}"
+                                                       for k, v in got.items()), flush=True)
     report(configs, runs, args)
 
 
@@ -226,9 +230,8 @@ def load_runs(configs: list[dict], workdir: Path) -> dict[str, list[dict]]:
     runs = {c["name"]: sorted(workdir.glob(f"{c['name']}_[0-9].json")) for c in configs}
     runs = {k: [load_json(f) for f in v] for k, v in runs.items()}
     for mode in ("plain", "ngram", "draft"):
-        f = workdir / f"vllm_{mode}.json"
-        if f.exists():
-            res = load_json(f)["runs"]
+        res = [r for f in sorted(workdir.glob(f"vllm_{mode}_[0-9].json")) for r in load_json(f)["runs"]]
+        if res:
             runs[f"vllm_{mode}_all"] = [r for r in res if r["batch"] == "all"]
             runs[f"vllm_{mode}_b1"] = [r for r in res if r["batch"] == "1"]
     return {k: v for k, v in runs.items() if v}
