@@ -7,10 +7,13 @@
 # 1. environment: nvidia-smi -L, python/torch/CUDA/transformers versions, the modules the check needs;
 # 2. python3 -m pytest tests/engine/test_gpu.py (greedy identity, sampling, bf16 on CUDA; tiny random models,
 #    plus a real checkpoint when a MODEL_DIR is given);
-# 3. python3 -m bench.gpu_bench: tokens/s next to the HBM floor (random-init SmolLM2/Qwen shapes, or the
-#    MODEL_DIRs: HF safetensors directories).
+# 3. python3 -m bench.gpu_bench (random-init SmolLM2-135M, Qwen2.5-1.5B and Llama-3-8B shapes in bf16, or the
+#    MODEL_DIRs: HF safetensors directories), in parts ordered by value: batch 1 against HF generate with its
+#    static cache; plain decoding 64 and 256 at once next to the HBM and compute floors; a profiler summary of
+#    the last model at batch 1 and 64; then drafters / compile / CUDA graphs as the budget allows.
 # A MODEL_DIR that does not exist is reported and skipped. Everything fits in GPU_CHECK_TOTAL_S
-# (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest.
+# (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest (no run starts in
+# the last 60 s; one still going 10 s before the end is cut, its JSON holding every run finished before).
 # Logs and gpu_bench.json go to $OUT when it is set. Env: PYTHON (python3), GPU_CHECK_SKIP_TESTS=1,
 # GPU_CHECK_SKIP_BENCH=1, GPU_BENCH_ARGS (more gpu_bench flags; a CPU dry run of this script:
 # GPU_BENCH_ARGS="--device cpu --dtype float32 --tiny"). Exit status: 2 when the environment check fails,
