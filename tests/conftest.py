@@ -2,6 +2,7 @@
 for the pipeline tests a tiny model directory and a real `ray start --head` cluster."""
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import random
@@ -235,6 +236,50 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def mixed_prompts_fixture(n: int, seed: int):
+    """A module's `prompts` fixture: mixed_prompts(n, target_model's vocabulary, seed)."""
+    @pytest.fixture(scope="module")
+    def prompts(target_model):
+        return mixed_prompts(n, target_model.config.vocab_size, seed=seed)
+    return prompts
+
+
+def greedy_references_fixture(max_new: int, model: str = "target_model"):
+    """A module's `references` fixture: greedy_reference of each of its `prompts`, max_new tokens, by
+    the fixture named `model`."""
+    @pytest.fixture(scope="module")
+    def references(request, prompts):
+        reference_model = request.getfixturevalue(model)
+        return [greedy_reference(reference_model, p, max_new) for p in prompts]
+    return references
+
+
+NEAR_TIE = 1e-3     # a top-2 logit gap this small may flip under another order of fp32 rounding
+
+
+def near_tie_mismatches(model, prompts, outputs, references) -> int:
+    """How many outputs differ from their greedy reference. Each must have the reference's length
+    and first differ on a near-tie of model's top-2 logits (below NEAR_TIE), or the assertion fails."""
+    mismatches = 0
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, references)):
+        assert len(out) == len(ref), f"prompt {i}: {len(out)} tokens, expected {len(ref)}"
+        if out != ref:
+            mismatches += 1
+            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+            gap = top2_gap(model, prompt + ref[:j])
+            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
+    return mismatches
+
+
+def sample_outputs(engine, prompt: list[int], params, n: int, seed: int) -> tuple[dict[tuple, int], list]:
+    """n requests of one prompt ("r0", "r1", ...: each samples from its own generators, seeded from
+    `seed` and its id), all queued up front: (counts of whole outputs, every RoundRecord)."""
+    done, rounds = run_requests(engine, [prompt] * n, params, seeds=[seed] * n, ids=[f"r{i}" for i in range(n)])
+    counts = collections.Counter(tuple(c.output_ids) for c in done.values())
+    assert sum(counts.values()) == n
+    return counts, rounds
+
+
 @pytest.fixture(scope="session")
 def target_model():
     return tiny_llama()
@@ -243,6 +288,14 @@ def target_model():
 @pytest.fixture(scope="session")
 def draft_model(target_model):
     return noisy_copy(target_model, noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def enumerable_models():
+    """A target over 8 tokens (references.TINY_TOKENS' size), small enough to enumerate every short
+    output, at init range 0.15 (no token dominates), and a draft near it."""
+    target = tiny_llama(vocab=8, seed=5, init_range=0.15)
+    return target, noisy_copy(target, noise=0.15, seed=6)
 
 
 # ---- pipeline fixtures ------------------------------------------------------------------------------

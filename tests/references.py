@@ -5,6 +5,7 @@ import itertools
 from typing import Callable
 
 import numpy as np
+import torch
 from scipy import stats
 
 from pipeline.engine.core.request import SamplingParams
@@ -31,13 +32,13 @@ def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return probs
 
 
-
-def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> float:
+def chi2_pvalue(counts: dict, exact: dict, n: int, min_expected: float = 5.0) -> float:
     """Chi-square p-value of outcome counts against exact probabilities; outcomes expected fewer than
-    5 times are pooled into one cell, and an outcome of probability 0 fails outright."""
+    min_expected times are pooled into one cell (min_expected 0: every possible outcome its own cell),
+    and an outcome of probability 0 fails outright."""
     observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
     for seq, prob in exact.items():
-        if prob * n >= 5:
+        if prob > 0 and prob * n >= min_expected:
             observed.append(counts.get(seq, 0))
             expected.append(prob * n)
         else:
@@ -47,8 +48,12 @@ def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> 
     if pooled_exp > 0:
         observed.append(pooled_obs)
         expected.append(pooled_exp)
-    expected = np.array(expected) * (n / sum(expected))
-    return float(stats.chisquare(observed, expected).pvalue)
+    return _chisquare(observed, expected, n)
+
+
+def _chisquare(observed: list, expected: list, n: int) -> float:
+    """scipy's chi-square p-value, the expected counts scaled to sum to n (rounding aside, they do)."""
+    return float(stats.chisquare(observed, np.array(expected) * (n / sum(expected))).pvalue)
 
 
 # ---- the exact law of short outputs, and its chi-square bins ----------------------------------------
@@ -91,22 +96,49 @@ def exact_law(step: Callable[[tuple], np.ndarray], length: int, eos: set[int]) -
     return law
 
 
-def prefix_bins(law: dict[tuple, float], n: int, min_expected: float = 5.0) -> dict[tuple, float]:
+def target_law(model, prompt: list[int], params: SamplingParams, length: int, eos: set[int] = frozenset(),
+               grammars=None) -> dict[tuple, float]:
+    """The exact law (exact_law) of the target's outputs after `prompt`: each step's distribution is
+    `processed` from an uncached Hugging Face forward, under params.response_format's mask (by
+    `grammars`) where it has one."""
+    @torch.no_grad()
+    def step(prefix: tuple) -> np.ndarray:
+        logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1].double().numpy()
+        mask = grammar_mask(grammars, params, prefix) if params.response_format else None
+        return processed(logits, prompt, list(prefix), params, mask)
+    return exact_law(step, length, eos)
+
+
+def prefix_bins(law: dict[tuple, float], n: int, min_expected: float = 5.0,
+                prefixes: dict[tuple, float] | None = None) -> dict[tuple, float]:
     """Chi-square bins for n samples, from the exact law alone: an output expected >= min_expected
     times is its own bin; the others pool under their longest prefix whose remainder (what no finer
-    bin holds) is expected that often, so a shift between first tokens stays visible; the rest is ()."""
-    prefixes: dict[tuple, float] = {}
-    for out, prob in law.items():
-        for k in range(1, len(out)):
-            prefixes[out[:k]] = prefixes.get(out[:k], 0.0) + prob
+    bin holds) is expected that often, so a shift between first tokens stays visible; the rest is ().
+    prefixes: every prefix's probability where the law lists only the likelier outputs (by default
+    summed from the law)."""
+    if prefixes is None:
+        prefixes = {}
+        for out, prob in law.items():
+            for k in range(1, len(out)):
+                prefixes[out[:k]] = prefixes.get(out[:k], 0.0) + prob
     bins = {out: prob for out, prob in law.items() if prob * n >= min_expected}
-    for k in range(max(map(len, law), default=0) - 1, 0, -1):
+    for k in range(max(map(len, prefixes), default=0), 0, -1):
         for prefix in [p for p in prefixes if len(p) == k]:
             inside = sum(prob for b, prob in bins.items() if len(b) > k and b[:k] == prefix)
             if (prefixes[prefix] - inside) * n >= min_expected:
                 bins[prefix] = prefixes[prefix] - inside
     bins[()] = max(0.0, 1.0 - sum(bins.values()))
     return bins
+
+
+def bins_pvalue(counts: dict[tuple, int], bins: dict[tuple, float], rest: tuple = ()) -> float:
+    """Chi-square p-value of observed outputs against the bins' probabilities: an output counts in
+    its own bin, else its longest binned prefix's, else `rest`'s."""
+    n = sum(counts.values())
+    observed = dict.fromkeys(bins, 0)
+    for out, c in counts.items():
+        observed[next((out[:k] for k in range(len(out), 0, -1) if out[:k] in bins), rest)] += c
+    return _chisquare([observed[b] for b in bins], [bins[b] * n for b in bins], n)
 
 
 def binned_pvalue(counts: dict[tuple, int], law: dict[tuple, float], min_expected: float = 5.0) -> float:
@@ -116,16 +148,11 @@ def binned_pvalue(counts: dict[tuple, int], law: dict[tuple, float], min_expecte
     n = sum(counts.values())
     if any(law.get(out, 0.0) == 0.0 for out in counts):
         return 0.0
-    bins = prefix_bins(law, n, min_expected)
-    observed = dict.fromkeys(bins, 0)
-    for out, c in counts.items():
-        observed[next(out[:k] for k in range(len(out), -1, -1) if out[:k] in bins)] += c
+    bins, rest = prefix_bins(law, n, min_expected), ()
     if bins[()] * n < min_expected:                 # too small to stand alone
-        smallest = min((b for b in bins if b), key=bins.get)
-        bins[smallest] += bins.pop(())
-        observed[smallest] += observed.pop(())
-    keys = list(bins)
-    return float(stats.chisquare([observed[k] for k in keys], [bins[k] * n for k in keys]).pvalue)
+        rest = min((b for b in bins if b), key=bins.get)
+        bins[rest] += bins.pop(())
+    return bins_pvalue(counts, bins, rest)
 
 
 # ---- a vocabulary small enough to enumerate, with grammars ----------------------------------------

@@ -62,7 +62,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SuffixParams:
-    """The suffix drafter (drafting/suffix.py states the draft rule)."""
+    """The suffix drafter (drafting/suffix_index.py, SuffixTrie.match, states the draft rule)."""
     max_depth: int = 16               # longest indexed substring = match + draft tokens per lookup
     min_match: int = 2                # shortest matched suffix that may draft
     min_prob: float = 0.1             # stop when a draft token's estimated probability falls below

@@ -39,9 +39,9 @@ from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
-from .core.tree import children, depths, num_leaves
-from .core.verify import HostVerifyOutput, VerifyOutput, verify, verify_greedy
-from .core.verify_tree import verify_tree, verify_tree_greedy
+from .core.tree import children, num_leaves
+from .core.verify import HostVerifyOutput, VerifyOutput
+from .core.verify_rule import verify_drafts
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
@@ -115,6 +115,20 @@ def seq_generators(seed: int, request_id: str) -> _SeqRng:
     return _SeqRng(draft=gen("draft"), verify=gen("verify"))
 
 
+class Stopwatch:
+    """Seconds spent inside `with` blocks of it, summed in `s` (one block: its duration)."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s += time.perf_counter() - self._start
+
+
 class SpecEngine:
     """`config` sizes the engine (max_num_seqs auto: the target runner's slots); `drafting` says how
     many tokens to draft (drafting.num_speculative_tokens, drafting.adaptive); `drafter` proposes them."""
@@ -123,7 +137,7 @@ class SpecEngine:
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None,
                  drafting: DraftingConfig | None = None, grammars: Grammars | None = None):
         config = config or EngineConfig()
-        if config.max_num_seqs == AUTO:
+        if config.max_num_seqs == AUTO:       # as the target's runner resolved it (model/slots.py)
             config = replace(config, max_num_seqs=target.num_slots)
         self.config = config
         self.drafting = drafting or DraftingConfig()
@@ -152,9 +166,14 @@ class SpecEngine:
                                           draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
-        self.grammar_s = 0.0             # seconds in grammar work (masks, forced tokens, walks; with the
-                                         # `none` drafter all of the draft phase), over all steps
+        self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
+                                          # drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
+
+    @property
+    def grammar_s(self) -> float:
+        """Seconds in grammar work over all steps (masks, forced tokens, walks)."""
+        return self._grammar_time.s
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -222,13 +241,13 @@ class SpecEngine:
         guided, walk, draft_s, catch_up_s = self._draft(batch)
         drafts = guided.drafts
         out, verify_s = self._verify(batch, drafts, walk)
-        self.costs.observe(batch_size=len(batch), num_draft=sum(guided.num_own), draft_s=draft_s - catch_up_s,
+        self.costs.observe(batch_size=len(batch), num_draft=sum(guided.num_drafted), draft_s=draft_s - catch_up_s,
                            target_tokens=len(batch) + sum(drafts.num_draft), verify_s=verify_s,
-                           draft_steps=max(guided.num_own))
+                           draft_steps=max(guided.num_drafted))
         rounds = self._commit(batch, guided, walk, out, draft_s, verify_s)
         finished = self._emit(batch)
         self.num_steps += 1
-        return StepOutput(finished, rounds)
+        return StepOutput(finished=finished, rounds=rounds)
 
     def calibrate(self, repeats: int = 3) -> None:
         """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
@@ -284,39 +303,39 @@ class SpecEngine:
         where rows are constrained). Returns the drafts, the round's grammar walk (None: no row is
         constrained), the phase's seconds and the catch-up's share of them (kept out of the draft
         cost model)."""
-        t0 = time.perf_counter()
-        lengths, catch_up_s = self._draft_lengths(batch), 0.0
-        if self._lazy_draft:
-            t_catch_up = time.perf_counter()
-            lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
-            catch_up_s = time.perf_counter() - t_catch_up if num_prefilled else 0.0
-        # No device sync here: a model drafter reads its tokens back per draft step anyway, and the
-        # verify phase's time runs to the step's one readback (_verify).
-        generators = [s.rng.draft for s in batch]
-        walk = None
-        if any(s.guide is not None for s in batch):
-            t_grammar = time.perf_counter()
-            walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
-            guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch], generators,
-                                    walk, self.drafting.forced_tokens, self._sized)
-            self.grammar_s += time.perf_counter() - t_grammar
-        else:
-            found = self._sized(self.drafter.propose(batch, lengths, generators))
-            zeros = [0] * len(batch)
-            guided = GuidedDraft(found, zeros, list(found.num_draft), zeros)
-        guided.drafts = guided.drafts.to(self.target.device)
-        return guided, walk, time.perf_counter() - t0, catch_up_s
+        with Stopwatch() as phase:
+            lengths, catch_up_s = self._draft_lengths(batch), 0.0
+            if self._lazy_draft:
+                with Stopwatch() as catch_up:
+                    lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
+                catch_up_s = catch_up.s if num_prefilled else 0.0
+            # No device sync here: a model drafter reads its tokens back per draft step anyway, and the
+            # verify phase's time runs to the step's one readback (_verify).
+            generators = [s.rng.draft for s in batch]
+            walk = None
+            if any(s.guide is not None for s in batch):
+                with self._grammar_time:
+                    walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
+                    guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch],
+                                            generators, walk, self.drafting.forced_tokens, self._size_trees)
+            else:
+                proposal = self._size_trees(self.drafter.propose(batch, lengths, generators))
+                zeros = [0] * len(batch)
+                guided = GuidedDraft(drafts=proposal, num_forced_ahead=zeros, num_drafted=list(proposal.num_draft),
+                                     num_forced_after=zeros)
+            guided.drafts = guided.drafts.to(self.target.device)
+        return guided, walk, phase.s, catch_up_s
 
-    def _sized(self, found: DraftBatch) -> DraftBatch:
+    def _size_trees(self, proposal: DraftBatch) -> DraftBatch:
         """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed), chosen from
         each tree's plan: a sampled tree is sized by its one-hot twin's estimates, never by those of the
         tokens it drew (drafting/trees.py: the exactness rule)."""
-        if found.plans is None or not self.drafting.adaptive:
-            return found
-        keep = self.policy.tree_sizes([t.probs for t in found.plans], [t.parents for t in found.plans])
-        if not any(keep) and any(found.num_draft):
+        if proposal.plans is None or not self.drafting.adaptive:
+            return proposal
+        keep = self.policy.tree_sizes([t.probs for t in proposal.plans], [t.parents for t in proposal.plans])
+        if not any(keep) and any(proposal.num_draft):
             self.policy.forget_trees()          # refused what was offered: the calibration may be too low
-        return found.truncated(keep)
+        return proposal.truncated(keep)
 
     @property
     def _trees(self) -> bool:
@@ -353,20 +372,19 @@ class SpecEngine:
         """One target forward over [last committed token, drafts] of every sequence, then the rule,
         then the step's one device-to-host readback. Returns the verifier's output (host lists) and
         the phase's seconds."""
-        t0 = time.perf_counter()
-        inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
-        starts = [s.num_computed for s in batch]
-        logits = self.target.forward([s.slot for s in batch], starts, inputs, parents=drafts.parents)
-        for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
-            s.num_computed += len(toks)
-        t_grammar = time.perf_counter()
-        allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
-        self.grammar_s += time.perf_counter() - t_grammar
-        out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
-        if drafts.is_tree:                                  # the accepted paths' KV next to the committed
-            self.target.move_path([s.slot for s in batch], starts,
-                                  [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
-        return out, time.perf_counter() - t0
+        with Stopwatch() as phase:
+            inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
+            starts = [s.num_computed for s in batch]
+            logits = self.target.forward([s.slot for s in batch], starts, inputs, parents=drafts.parents)
+            for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
+                s.num_computed += len(toks)
+            with self._grammar_time:
+                allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
+            out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
+            if drafts.is_tree:                                  # the accepted paths' KV next to the committed
+                self.target.move_path([s.slot for s in batch], starts,
+                                      [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
+        return out, phase.s
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
                      inputs: list[list[int]], allowed: torch.Tensor | None = None) -> VerifyOutput:
@@ -375,25 +393,14 @@ class SpecEngine:
         grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
-        tree = (torch.tensor([p for b in range(len(batch)) for p in drafts.parents_of(b)], dtype=torch.long,
-                             device=logits.device) if drafts.is_tree else None)
-        # Sizes the host knows, so that verification reads nothing back before the step's one readback
-        longest = max((max(depths(drafts.parents_of(b)), default=0) if tree is not None else drafts.num_draft[b]
-                       for b in range(len(batch))), default=0)
         greedy = [s.params.is_greedy for s in batch]
         if all(greedy):                                 # argmax only: no vocabulary-sized rows
-            argmax = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed)
-            if tree is not None:
-                return verify_tree_greedy(drafts.draft_ids, drafts.cu_num_draft, tree, argmax, max_depth=longest)
-            return verify_greedy(drafts.draft_ids, drafts.cu_num_draft, argmax, max_draft=longest)
-        p = row_probs(logits, row_seqs, prefixes, allowed=allowed)      # [num_draft + num_seqs, vocab]
-        accept_u, sample_u = self._verify_uniforms(batch, drafts.num_draft, p.device)
-        is_greedy = torch.tensor(greedy, device=p.device)
-        if tree is not None:
-            return verify_tree(drafts.draft_ids, drafts.cu_num_draft, tree, p, drafts.draft_probs, is_greedy,
-                               accept_u, sample_u, max_depth=longest, greedy=(any(greedy), False))
-        return verify(drafts.draft_ids, drafts.cu_num_draft, p, drafts.draft_probs, is_greedy,
-                      accept_u, sample_u, max_draft=longest, any_greedy=any(greedy))
+            target_rows, uniforms = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed), None
+        else:
+            target_rows = row_probs(logits, row_seqs, prefixes, allowed=allowed)     # [num_draft + num_seqs, vocab]
+            uniforms = self._verify_uniforms(batch, drafts.num_draft, target_rows.device)
+        return verify_drafts(drafts.draft_ids, drafts.cu_num_draft, drafts.num_draft, drafts.parents, target_rows,
+                             drafts.draft_probs, greedy, uniforms)
 
     def _verify_uniforms(self, batch, num_draft, device):
         """g + 1 uniforms per sampled sequence per round, from its own verify generator."""
@@ -414,29 +421,29 @@ class SpecEngine:
         for b, seq in enumerate(batch):
             g, k = drafts.num_draft[b], out.num_accepted[b]
             tokens = out.output_ids[b][:k + 1]
-            t_grammar = time.perf_counter()
-            may_stop = walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
-            self.grammar_s += time.perf_counter() - t_grammar
+            with self._grammar_time:
+                may_stop = walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
             emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
             mask = is_accepted[cu[b]:cu[b + 1]]
-            ahead, own = guided.num_ahead[b], guided.num_own[b]
-            forced_rows = [i for i in range(g) if i < ahead or i >= ahead + own]
+            ahead, drafted = guided.num_forced_ahead[b], guided.num_drafted[b]
+            forced_rows = [i for i in range(g) if i < ahead or i >= ahead + drafted]
             forced_accepted = sum(1 for i in forced_rows if i < k)            # as `accepted` counts them
             if drafts.is_tree:          # a rejection: the accepted path ends where the tree goes on
                 rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
-                own_k = max(0, k - ahead)                   # below the forced tokens ahead
-                self.policy.update(seq, own_k + int(rejected), own_k)
+                drafted_accepted = max(0, k - ahead)        # below the forced tokens ahead
+                self.policy.update(seq, drafted_accepted + int(rejected), drafted_accepted)
             else:
                 rejected = k < g
-                self.policy.update(seq, own, max(0, min(k - ahead, own)))
+                self.policy.update(seq, drafted, max(0, min(k - ahead, drafted)))
             if drafts.plans is not None:
                 self.policy.observe_tree(drafts.plans[b].probs, drafts.plans[b].parents, k)
             seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
             paths = num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0)
-            rounds.append(RoundRecord(seq.request_id, seq.num_rounds, g, k, emitted, mask, len(batch), draft_s,
-                                      verify_s, self.num_steps, len(forced_rows), forced_accepted, paths,
-                                      rejected))
+            rounds.append(RoundRecord(
+                request_id=seq.request_id, round=seq.num_rounds, draft_len=g, accepted=k, emitted=emitted,
+                accepted_mask=mask, batch_size=len(batch), draft_s=draft_s, verify_s=verify_s, step=self.num_steps,
+                forced=len(forced_rows), forced_accepted=forced_accepted, paths=paths, rejected=rejected))
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k
@@ -460,10 +467,12 @@ class SpecEngine:
         if text is None and self.decode is not None:
             text = self.decode(seq.output_ids)
         constrained = seq.params.response_format is not None
-        return Completion(seq.request_id, len(seq.prompt_ids), list(seq.output_ids), text, seq.finish_reason,
-                          seq.seed, seq.num_rounds, seq.num_draft_tokens, seq.num_accepted, seq.num_prefix_reused,
-                          seq.params.response_format,
-                          seq.finish_reason in ("eos", "stop") if constrained else None, seq.num_forced)
+        return Completion(
+            request_id=seq.request_id, prompt_len=len(seq.prompt_ids), output_ids=list(seq.output_ids), text=text,
+            finish_reason=seq.finish_reason, seed=seq.seed, num_rounds=seq.num_rounds,
+            num_draft_tokens=seq.num_draft_tokens, num_accepted=seq.num_accepted,
+            prompt_tokens_reused=seq.num_prefix_reused, response_format=seq.params.response_format,
+            valid=seq.finish_reason in ("eos", "stop") if constrained else None, num_forced=seq.num_forced)
 
     def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
         """Step until every queued request is finished; returns completions in finishing order."""

@@ -10,10 +10,8 @@ from dataclasses import dataclass, replace
 
 from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
                       NgramDrafter, SpecEngine, SuffixDrafter, TreeParams)
-from ..engine.config import AUTO
 from ..engine.grammar.library import Grammars
 from ..engine.model.hf_config import reject_unsupported, text_config
-from ..engine.model.slots import choose_max_num_seqs
 from ..io.reader import storage_options
 from ..io.storage import StorageConfig
 from ..loading.hardware import DtypeChoice, resolve_dtype
@@ -81,36 +79,25 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
         reject_unsupported(draft.config, engine_cfg.max_model_len)
         draft_id = model_id(dspec)
-    slots_reason = None
-    if engine_cfg.max_num_seqs == AUTO:
-        n, slots_reason = choose_max_num_seqs([m for m in (target, draft) if m is not None], engine_cfg.max_model_len)
-        engine_cfg = replace(engine_cfg, max_num_seqs=n)
     eos = eos_ids(target, tokenizer)
     engine = assemble_engine(target, draft, drafting, engine_cfg, kernels, eos,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos),
-                             fit_slots=slots_reason is not None)
-    if slots_reason is not None and engine.target.slots_reason is not None:
-        slots_reason = f"{slots_reason}; {engine.target.slots_reason}"
-    return LoadedEngine(engine, tokenizer, model_id(spec), draft_id, dtype, draft_dtype, slots_reason)
+                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos))
+    return LoadedEngine(engine=engine, tokenizer=tokenizer, target_id=model_id(spec), draft_id=draft_id,
+                        dtype=dtype, draft_dtype=draft_dtype, slots_reason=engine.target.slots_reason)
 
 
 def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineConfig, kernels: Kernels | None = None,
-                    eos: list[int] = (), decode=None, grammars: Grammars | None = None,
-                    fit_slots: bool = False) -> SpecEngine:
+                    eos: list[int] = (), decode=None, grammars: Grammars | None = None) -> SpecEngine:
     """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
     None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
-    must be resolved; fit_slots: it is an upper bound, and on CPU the target's runner keeps the
-    fewest sequences near its best measured tokens/s (model/slots.py), which the draft follows."""
+    auto is resolved by the target's runner (model/slots.py: the KV of both models bounds it; on CPU
+    the runner keeps the fewest sequences near its best measured tokens/s), and the draft's follows."""
     if drafting.uses_draft_model != (draft is not None):
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))
-    if fit_slots:      # the target's runner measures its slots within the bound; the draft's follows
-        runner = ModelRunner(target, replace(engine_cfg, max_num_seqs=AUTO), kernels,
-                             slot_bound=engine_cfg.max_num_seqs)
-        engine_cfg = replace(engine_cfg, max_num_seqs=runner.num_slots)
-    else:
-        runner = ModelRunner(target, engine_cfg, kernels)
+    runner = ModelRunner(target, engine_cfg, kernels, beside=(draft,) if draft is not None else ())
+    engine_cfg = replace(engine_cfg, max_num_seqs=runner.num_slots)
     drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     if drafting.free_method is not None:
         free = free_drafter(drafting, drafting.free_method, runner.device)

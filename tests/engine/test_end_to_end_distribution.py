@@ -8,38 +8,22 @@ outcome is also reproducible). A 1% error on the most likely outcomes is detecte
 drafts verified against a q other than the one they were sampled from; sampled tree siblings verified
 as if drawn with replacement) must fail the same test.
 """
-import itertools
-
-import numpy as np
 import pytest
 import torch
 
-from conftest import make_engine, noisy_copy, tiny_llama
+from conftest import make_engine, sample_outputs
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.core.tree import is_chain
 from pipeline.engine.core.verify import SparseProbs
-from references import chi2_pvalue, reference_probs
+from references import chi2_pvalue, target_law
 
-VOCAB, LENGTH, N, ALPHA = 8, 3, 30_000, 1e-5
+LENGTH, N, ALPHA = 3, 30_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
 REPEATING = [1, 2, 1, 3, 1, 2, 1, 4, 1]     # suffix-own: its own counts after 1 (2 twice, 3, 4), far from p
 
 
-@torch.no_grad()
 def exact_distribution(model, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
-    prefixes = [()] + [tuple(c) for n in range(1, LENGTH) for c in itertools.product(range(VOCAB), repeat=n)]
-    step = {}
-    for prefix in prefixes:
-        logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
-        step[prefix] = reference_probs(logits.double().numpy(), params)
-    return {seq: float(np.prod([step[seq[:i]][seq[i]] for i in range(LENGTH)]))
-            for seq in itertools.product(range(VOCAB), repeat=LENGTH)}
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_llama(vocab=VOCAB, seed=5, init_range=0.15)
-    return target, noisy_copy(target, noise=0.15, seed=6)
+    return target_law(model, prompt, params, LENGTH)
 
 
 CASES = {      # name: (drafter, params[, attention]); attention: our CPU kernel unless "flex"
@@ -101,18 +85,8 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
                 q.prob = 1.0 / size[q.row]
             return batch
         engine.drafter.propose = observed
-    for i in range(N):
-        engine.add_request(f"r{i}", prompt, params, seed=11)
-    counts: dict[tuple, int] = {}
-    accepted = drafted = 0
-    while engine.has_unfinished():
-        out = engine.step()
-        accepted += sum(r.accepted for r in out.rounds)
-        drafted += sum(r.draft_len for r in out.rounds)
-        for c in out.finished:
-            key = tuple(c.output_ids)
-            counts[key] = counts.get(key, 0) + 1
-    assert sum(counts.values()) == N
+    counts, rounds = sample_outputs(engine, prompt, params, N, seed=11)
+    accepted, drafted = sum(r.accepted for r in rounds), sum(r.draft_len for r in rounds)
     if tree:
         assert trees[0] > 1000, "the case must draft trees with more than one path"
     return counts, accepted, drafted, spread[0]
@@ -120,21 +94,22 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_continuations_match_exact_target(models, case):
+def test_continuations_match_exact_target(enumerable_models, case):
     kind, params, *attention = CASES[case]
-    counts, accepted, drafted, spread = run_case(models, kind, params, flex=attention == ["flex"])
+    counts, accepted, drafted, spread = run_case(enumerable_models, kind, params, flex=attention == ["flex"])
     if kind == "none":
         assert drafted == 0
     else:
         assert 0 < accepted < drafted, "the case must exercise both acceptance and rejection"
     if kind in ("suffix", "hybrid-suffix", "hybrid-suffix-prob", "draft-prob") or kind.endswith("sampled-tree"):
         assert spread > 1000, "sampled drafts must come with q over more than one token"
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params, REPEATING if "own" in kind else PROMPT), N)
+    prompt = REPEATING if "own" in kind else PROMPT
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], params, prompt), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
 
 
 @pytest.mark.slow
-def test_sampled_tree_siblings_verified_against_the_full_counts_are_caught(models, monkeypatch):
+def test_sampled_tree_siblings_verified_against_the_full_counts_are_caught(enumerable_models, monkeypatch):
     """The mutant: sampled tree children drawn without replacement but each verified against the
     parent's whole distribution (the first sibling's q), as if drawn with replacement. The same
     chi-square test must reject it."""
@@ -146,19 +121,19 @@ def test_sampled_tree_siblings_verified_against_the_full_counts_are_caught(model
         return [(*pick[:3], picks[0][3]) for pick in picks]
     monkeypatch.setattr(trees, "_draw", full_q)
     params = CASES["suffix-own-sampled-tree"][1]
-    counts, _, _, spread = run_case(models, "suffix-own+sampled-tree", params)
+    counts, _, _, spread = run_case(enumerable_models, "suffix-own+sampled-tree", params)
     assert spread > 1000
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params, REPEATING), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], params, REPEATING), N)
     assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"
 
 
 @pytest.mark.slow
-def test_sampled_suffix_drafts_with_a_wrong_q_are_caught(models):
+def test_sampled_suffix_drafts_with_a_wrong_q_are_caught(enumerable_models):
     """The mutant: suffix drafts sampled from the counts but verified against another q (uniform
     over the same support). The same chi-square test must reject it. (Verifying them as one-hot
     would be no mutant: a token-only draft is exact however it was chosen, at lower acceptance.)"""
     params = CASES["suffix"][1]
-    counts, _, _, spread = run_case(models, "suffix", params, wrong_q=True)
+    counts, _, _, spread = run_case(enumerable_models, "suffix", params, wrong_q=True)
     assert spread > 1000
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], params), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], params), N)
     assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"

@@ -36,6 +36,7 @@ each must fail the cells that exercise it at the full product's level, FAMILY_AL
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import itertools
@@ -47,7 +48,6 @@ import pytest
 import torch
 
 import pipeline.engine.engine as engine_module
-from conftest import noisy_copy, tiny_llama
 from pipeline.engine import DraftingConfig, EngineConfig, SamplingParams, SuffixParams, TreeParams
 from pipeline.errors import ConfigError
 from pipeline.job.config import load_config
@@ -182,12 +182,6 @@ def pytest_generate_tests(metafunc):
 
 # ---- models, references -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def models():
-    target = tiny_llama(vocab=VOCAB, seed=5, init_range=0.15)
-    return target, noisy_copy(target, noise=0.15, seed=6)
-
-
-@pytest.fixture(scope="module")
 def grammars():
     return tiny_grammars()
 
@@ -229,8 +223,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(models, grammars):
-    return Reference(models[0], grammars)
+def reference(enumerable_models, grammars):
+    return Reference(enumerable_models[0], grammars)
 
 
 @pytest.fixture(scope="module")
@@ -263,10 +257,7 @@ class RowResult:
     resized: int = 0                      # of them: sized otherwise the second time
 
     def counts(self) -> dict[tuple, int]:
-        out: dict[tuple, int] = {}
-        for ids in self.outputs.values():
-            out[tuple(ids)] = out.get(tuple(ids), 0) + 1
-        return out
+        return collections.Counter(map(tuple, self.outputs.values()))
 
 
 def build(models, grammars, drafting: Drafting, slots: int):
@@ -287,7 +278,7 @@ def probe_draws(engine, record) -> None:
     a position's existence depend on its own draw). The drafter's indexes are synced with the
     committed tokens before the proposal, so both proposals read one index state (a sequence admitted
     this step would otherwise join the worker-wide index between them). record(seq, same) counts."""
-    propose, sized, policy = engine.drafter.propose, engine._sized, engine.policy
+    propose, sized, policy = engine.drafter.propose, engine._size_trees, engine.policy
     tree_sizes, forget, asked, kept = policy.tree_sizes, policy.forget_trees, {}, []
     seeds = itertools.count(1 << 40)                        # the other draws' generators: reruns reproduce
 
@@ -310,7 +301,7 @@ def probe_draws(engine, record) -> None:
                     record(seq, other == own)
         return out
     policy.tree_sizes = lambda *args: kept.append(tree_sizes(*args)) or kept[-1]
-    engine.drafter.propose, engine._sized = proposing, sizing
+    engine.drafter.propose, engine._size_trees = proposing, sizing
 
 
 def run(engine, plan: dict[Row, int], greedy_prompts) -> dict[Row, RowResult]:
@@ -355,7 +346,7 @@ def run_plan(cell: Cell, cells: list[Cell]) -> dict[Row, int]:
 
 
 @pytest.fixture(scope="module")
-def cell_results(request, models, grammars, greedy_prompts):
+def cell_results(request, enumerable_models, grammars, greedy_prompts):
     cells, last = selected_cells(request.config.getoption("--matrix")), {}
 
     def results(cell: Cell) -> dict[Row, RowResult]:
@@ -363,7 +354,8 @@ def cell_results(request, models, grammars, greedy_prompts):
         if key not in last:                # one run kept: cells of one run are consecutive
             slots = 1 if cell.batch == "1" else MIXED_SLOTS
             last.clear()
-            last[key] = run(build(models, grammars, cell.drafting, slots), run_plan(cell, cells), greedy_prompts)
+            engine = build(enumerable_models, grammars, cell.drafting, slots)
+            last[key] = run(engine, run_plan(cell, cells), greedy_prompts)
         return last[key]
     results.alpha = FAMILY_ALPHA / sum(not c.row.is_greedy for c in cells)
     return results
@@ -475,23 +467,23 @@ def assert_caught(c: Cell, models, grammars, reference, match: str) -> None:
         check_row(c, res, reference, [], FAMILY_ALPHA / M_FULL)
 
 
-def test_mutant_sizing_adaptive_trees_by_their_draws_is_caught(models, grammars, reference, monkeypatch):
+def test_mutant_sizing_adaptive_trees_by_their_draws_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The bias: sampled trees sized by the estimates of the tokens they drew, not their one-hot twin's."""
     from pipeline.engine.drafting.trees import DraftTree
     monkeypatch.setattr(DraftTree, "plan", property(lambda self: self))
     drafting = Drafting("suffix", lookup_q="drawn", shape="tree", adaptive=True)
-    assert_caught(cell(drafting, "free-plain-t1"), models, grammars, reference, "sizes followed the draws")
+    assert_caught(cell(drafting, "free-plain-t1"), enumerable_models, grammars, reference, "sizes followed the draws")
 
 
-def test_mutant_residual_not_updated_between_siblings_is_caught(models, grammars, reference, monkeypatch):
+def test_mutant_residual_not_updated_between_siblings_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """A sibling tried against r as it was before the rejected ones, and the final draw from it."""
     from pipeline.engine.core import verify_tree
     monkeypatch.setattr(verify_tree, "_residual", lambda rows, total, q_rows: rows)
-    assert_caught(cell(Drafting("suffix", lookup_q="one-hot", shape="tree"), "free-plain-t1"), models, grammars,
-                  reference, "p-value")
+    assert_caught(cell(Drafting("suffix", lookup_q="one-hot", shape="tree"), "free-plain-t1"), enumerable_models,
+                  grammars, reference, "p-value")
 
 
-def test_mutant_grammar_mask_on_p_but_not_on_dense_q_is_caught(models, grammars, reference, monkeypatch):
+def test_mutant_grammar_mask_on_p_but_not_on_dense_q_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The draft model draws from its q masked by the grammar but reports the unmasked q."""
     from pipeline.engine.core.sampling import bitmask_to_bool
     from pipeline.engine.drafting import draft_model
@@ -508,19 +500,21 @@ def test_mutant_grammar_mask_on_p_but_not_on_dense_q_is_caught(models, grammars,
         return sample(q, uniforms)
     monkeypatch.setattr(draft_model, "row_probs", unmasked)
     monkeypatch.setattr(draft_model, "sample_from_probs", masked_draw)
-    assert_caught(cell(Drafting("draft", draft_q="drawn"), "regex-plain-t1"), models, grammars, reference, "p-value")
+    assert_caught(cell(Drafting("draft", draft_q="drawn"), "regex-plain-t1"), enumerable_models, grammars, reference,
+                  "p-value")
 
 
-def test_mutant_penalties_on_the_committed_history_only_is_caught(models, grammars, reference, monkeypatch):
+def test_mutant_penalties_on_the_committed_history_only_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The verifier's p penalised for the committed tokens only, not the candidate prefix before it."""
     row_probs = engine_module.row_probs
     monkeypatch.setattr(engine_module, "row_probs", lambda logits, seqs, extra, *a, **k:
                         row_probs(logits, seqs, [[] for _ in extra], *a, **k))
-    assert_caught(cell(Drafting("suffix", lookup_q="drawn"), "free-penalised-t07"), models, grammars, reference,
-                  "p-value")
+    assert_caught(cell(Drafting("suffix", lookup_q="drawn"), "free-penalised-t07"), enumerable_models, grammars,
+                  reference, "p-value")
 
 
-def test_mutant_draft_length_that_reads_the_drafted_token_is_caught(models, grammars, reference, monkeypatch):
+def test_mutant_draft_length_that_reads_the_drafted_token_is_caught(enumerable_models, grammars, reference,
+                                                                    monkeypatch):
     """A draft cut before the first token it drew with q below 0.3 (its length read off the draw)."""
     from pipeline.engine.drafting.draft_model import DraftModelDrafter
     propose = DraftModelDrafter.propose
@@ -534,4 +528,5 @@ def test_mutant_draft_length_that_reads_the_drafted_token_is_caught(models, gram
         keep = [next((i for i in range(n) if q[cu[b] + i] < 0.3), n) for b, n in enumerate(found.num_draft)]
         return found.truncated(keep)
     monkeypatch.setattr(DraftModelDrafter, "propose", cut)
-    assert_caught(cell(Drafting("draft", draft_q="drawn"), "free-plain-t1"), models, grammars, reference, "p-value")
+    assert_caught(cell(Drafting("draft", draft_q="drawn"), "free-plain-t1"), enumerable_models, grammars, reference,
+                  "p-value")

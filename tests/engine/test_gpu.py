@@ -4,8 +4,8 @@ on a GPU machine by `bash bench/gpu_check.sh`.
 - fp32 greedy identity: every drafter, eager (compile off) and compiled FlexAttention (compile on),
   with steps replayed as CUDA graphs and without (cuda_graphs.py; with them, every runner must have
   captured graphs and kept them: none switched off by the capture's self-check), against Hugging
-  Face `generate` on the same CUDA device. A difference is allowed only where the
-  target's top-2 logits (CPU copy, fp64 head) are within NEAR_TIE, and at most MAX_TIES prompts.
+  Face `generate` on the same CUDA device. A difference is allowed only where the target's top-2
+  logits (CPU copy, fp64 head) are within NEAR_TIE (conftest), and at most MAX_TIES prompts.
 - Sampling (temperature 0.8): valid tokens, and the same seeds give the same tokens on a rerun.
 - bf16: completes, and agrees with fp32 on the first tokens of most prompts (threshold below).
 - A real checkpoint, only when SPECPIPE_GPU_MODEL_DIR names a safetensors directory (skipped else).
@@ -18,13 +18,13 @@ import os
 import pytest
 import torch
 
-from conftest import DRAFTERS, greedy_reference, make_engine, mixed_prompts, noisy_copy, run_requests, top2_gap
+from conftest import (DRAFTERS, greedy_reference, greedy_references_fixture, make_engine, mixed_prompts,
+                      mixed_prompts_fixture, near_tie_mismatches, run_requests)
 from pipeline.engine import SamplingParams, TreeParams
 
 pytestmark = pytest.mark.gpu
 
 NUM_PROMPTS, MAX_NEW = 24, 24
-NEAR_TIE = 1e-3          # as in test_greedy_identity.py: fp32 kernels may flip a top-2 gap this small
 MAX_TIES = 2             # prompts (of NUM_PROMPTS) allowed to differ, each on a checked near-tie
 BF16_PREFIX, BF16_MIN_AGREE = 2, 0.75
 MODEL_DIR_ENV = "SPECPIPE_GPU_MODEL_DIR"
@@ -49,28 +49,8 @@ def cuda_draft(draft_model):
     return copy.deepcopy(draft_model).cuda()
 
 
-@pytest.fixture(scope="module")
-def prompts(target_model):
-    return mixed_prompts(NUM_PROMPTS, target_model.config.vocab_size, seed=2)
-
-
-@pytest.fixture(scope="module")
-def cuda_references(cuda_target, prompts):
-    return [greedy_reference(cuda_target, p, MAX_NEW) for p in prompts]
-
-
-def check_greedy(outputs: list[list[int]], references, prompts, tie_model) -> int:
-    """Each output equals its reference, or first differs on a near-tie of tie_model's top-2 logits.
-    Returns the number of differing prompts."""
-    mismatches = 0
-    for i, (out, ref, prompt) in enumerate(zip(outputs, references, prompts)):
-        assert len(out) == len(ref), f"prompt {i}: {len(out)} tokens, expected {len(ref)}"
-        if out != ref:
-            mismatches += 1
-            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
-            gap = top2_gap(tie_model, prompt + ref[:j])
-            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
-    return mismatches
+prompts = mixed_prompts_fixture(NUM_PROMPTS, seed=2)
+cuda_references = greedy_references_fixture(MAX_NEW, model="cuda_target")
 
 
 def assert_on_cuda(engine, compile: str, graphs: bool) -> None:
@@ -97,7 +77,7 @@ def test_greedy_identity_on_cuda(kind, compile, graphs, target_model, cuda_targe
                          cuda_graphs=graphs)
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=2)
     outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
-    mismatches = check_greedy(outputs, cuda_references, prompts, target_model)
+    mismatches = near_tie_mismatches(target_model, prompts, outputs, cuda_references)
     assert mismatches <= MAX_TIES, f"{mismatches} near-tie mismatches out of {NUM_PROMPTS}"
     if kind != "none":     # the drafts must have been exercised, or identity is trivial
         assert sum(r.accepted for r in rounds) > 0
@@ -113,7 +93,7 @@ def test_tree_greedy_identity_on_cuda(kind, compile, graphs, target_model, cuda_
                          cuda_graphs=graphs, tree=TreeParams(max_tokens=16, max_branches=3))
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=2)
     outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
-    assert check_greedy(outputs, cuda_references, prompts, target_model) <= MAX_TIES
+    assert near_tie_mismatches(target_model, prompts, outputs, cuda_references) <= MAX_TIES
     assert max(r.paths for r in rounds) > 1 and sum(r.accepted for r in rounds) > 0
     assert_on_cuda(engine, compile, graphs=graphs == "on")
 
@@ -179,4 +159,4 @@ def test_real_model_greedy_identity_on_cuda(compile):
     engine = make_engine(model, "ngram", None, max_num_seqs=4, max_model_len=160, compile=compile)
     done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     outputs = [done[str(i)].output_ids for i in range(len(prompts))]
-    assert check_greedy(outputs, references, prompts, model) <= 1
+    assert near_tie_mismatches(model, prompts, outputs, references) <= 1

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DRAFTERS, make_engine, mixed_prompts, run_requests
+from conftest import DRAFTERS, make_engine, mixed_prompts_fixture, run_requests
 from pipeline.engine import SamplingParams
+from references import penalised
 
 # Discouraging repetition (the usual use), and encouraging it (so n-gram lookup finds proposals).
 PARAM_SETS = {
@@ -21,17 +22,11 @@ def penalised_greedy(model, prompt: list[int], p: SamplingParams) -> list[int]:
     out: list[int] = []
     for _ in range(p.max_tokens):
         logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].double().numpy()
-        counts = np.bincount(out, minlength=len(logits)).astype(float)
-        seen = (counts > 0) | (np.bincount(prompt, minlength=len(logits)) > 0)
-        pen = np.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits = np.where(seen, pen, logits) - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-        out.append(int(np.argmax(logits)))
+        out.append(int(np.argmax(penalised(logits, prompt, out, p))))
     return out
 
 
-@pytest.fixture(scope="module")
-def prompts(target_model):
-    return mixed_prompts(12, target_model.config.vocab_size, seed=11)
+prompts = mixed_prompts_fixture(12, seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ Tests per prompt, each with a false-failure probability of ALPHA = 1e-4 for a co
   - goodness of fit of the outcome counts against the exact target distribution, enumerated here
     with plain Hugging Face forwards (no engine code). Pooling: an outcome (3 tokens, or fewer ended
     by EOS) expected >= 5 times is its own bin; the others are pooled under their longest prefix
-    whose remainder is expected >= 5 times, everything left in one bin (see `bins`);
+    whose remainder is expected >= 5 times, everything left in one bin (see `goodness_of_fit`);
   - the same for a NoDrafter engine arm, and a two-sample homogeneity test (chi2_contingency) of the
     speculative arm against it, outcomes expected < 5 times in either arm pooled into one bin.
 N = 300 speculative, N_NONE = 100 NoDrafter requests per prompt. Sizes are set by time: one thread
@@ -44,6 +44,7 @@ from scipy import stats
 from pipeline.engine import DraftingConfig, EngineConfig, NgramDrafter, SamplingParams, SpecEngine
 from pipeline.engine.core import verify as verify_module
 from pipeline.engine.model.runner import build_runner
+from references import bins_pvalue, prefix_bins
 
 MODEL = "smollm2-135m-instruct"
 LENGTH, N, N_NONE, N_MUTANT, ALPHA, MIN_EXPECTED = 3, 300, 100, 260, 1e-4, 5
@@ -118,36 +119,14 @@ def exact_outcomes(model, prompt: list[int], eos: list[int], min_prob: float) ->
     return exact
 
 
-def bins(exact: Exact, n: int) -> dict[tuple, float]:
-    """The chi-square bins for n samples and their probabilities. An outcome expected >= MIN_EXPECTED
-    times is its own bin; the others are pooled under their longest prefix whose remainder (what no
-    finer bin holds) is expected >= MIN_EXPECTED times, so a shift between first tokens stays visible;
-    everything left is the bin (). Bins come from the exact distribution only, never from counts."""
-    binned = {key: prob for key, prob in exact.outcomes.items() if prob * n >= MIN_EXPECTED}
-    for length in range(LENGTH - 1, 0, -1):
-        for prefix in [key for key in exact.prefixes if len(key) == length]:
-            inside = sum(prob for key, prob in binned.items() if len(key) > length and key[:length] == prefix)
-            if (exact.prefixes[prefix] - inside) * n >= MIN_EXPECTED:
-                binned[prefix] = exact.prefixes[prefix] - inside
-    binned[()] = 1.0 - sum(binned.values())
-    assert binned[()] * n >= MIN_EXPECTED, "the remainder bin is too small for a chi-square test"
-    return binned
-
-
-def bin_of(outcome: tuple, binned: dict[tuple, float]) -> tuple:
-    """The bin an observed outcome is counted in: itself, else its longest binned prefix, else ()."""
-    return next(outcome[:length] for length in range(len(outcome), -1, -1) if outcome[:length] in binned)
-
-
 def goodness_of_fit(counts: collections.Counter, exact: Exact) -> float:
-    """Chi-square p-value of the counts against the exact distribution, binned by `bins`."""
+    """Chi-square p-value of the counts against the exact distribution, over references.prefix_bins
+    (outcomes expected < MIN_EXPECTED times pooled under the prefixes the enumeration kept). Bins come
+    from the exact distribution only, never from counts."""
     n = sum(counts.values())
-    binned = bins(exact, n)
-    observed = collections.Counter()
-    for outcome, count in counts.items():
-        observed[bin_of(outcome, binned)] += count
-    expected = np.array(list(binned.values())) * n
-    return float(stats.chisquare([observed[key] for key in binned], expected * n / expected.sum()).pvalue)
+    bins = prefix_bins(exact.outcomes, n, MIN_EXPECTED, exact.prefixes)
+    assert bins[()] * n >= MIN_EXPECTED, "the remainder bin is too small for a chi-square test"
+    return bins_pvalue(counts, bins)
 
 
 def homogeneity(a: collections.Counter, b: collections.Counter) -> float:

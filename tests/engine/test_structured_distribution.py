@@ -13,18 +13,15 @@ p-value is below ALPHA = 1e-5: a correct engine fails a case with probability 1e
 reproducible). The mutant (the target masked but not renormalised: acceptance weighed against the
 unmasked target's probabilities) must fail the same test.
 """
-import llguidance
-import numpy as np
 import pytest
-import torch
 
 import pipeline.engine.engine as engine_module
-from conftest import make_engine, noisy_copy, tiny_llama
+from conftest import make_engine, sample_outputs
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.core.sampling import bitmask_to_bool
-from references import TINY_EOS, TINY_TOKENS, chi2_pvalue, reference_probs, tiny_grammars
+from references import TINY_EOS, chi2_pvalue, target_law, tiny_grammars
 
-EOS, VOCAB, LENGTH, N, ALPHA = TINY_EOS, len(TINY_TOKENS), 5, 20_000, 1e-5
+EOS, LENGTH, N, ALPHA = TINY_EOS, 5, 20_000, 1e-5
 PROMPT = [3, 1, 4, 1, 5]
 ACAC = [1, 3, 1, 3, 1, 2, 1]    # suffix-own: its own counts after "a" are "c" twice and "b" once: mostly forbidden
 GRAMMAR = {"type": "grammar", "grammar": 'start: "{" ("a" | "b")+ "}"'}
@@ -35,34 +32,10 @@ def grammars():
     return tiny_grammars()
 
 
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_llama(vocab=VOCAB, seed=5, init_range=0.15)
-    return target, noisy_copy(target, noise=0.15, seed=6)
-
-
-@torch.no_grad()
 def exact_distribution(model, grammars, params, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     """Every output (ending in <eos> or cut at LENGTH tokens) with its probability under the masked,
     renormalised target: enumeration with llguidance's matcher driven directly."""
-    grammar = grammars.compile(params.constraint)
-    out = {}
-
-    def visit(prefix: list[int], prob: float):
-        matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
-        assert matcher.consume_tokens(prefix)
-        allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VOCAB]
-        logits = model(input_ids=torch.tensor([prompt + prefix])).logits[0, -1].double().numpy()
-        p = reference_probs(np.where(allowed.astype(bool), logits, -np.inf), params)
-        for tok in np.flatnonzero(p > 0):
-            seq = prefix + [int(tok)]
-            if tok == EOS or len(seq) == LENGTH:
-                out[tuple(seq)] = prob * p[tok]
-            else:
-                visit(seq, prob * p[tok])
-    visit([], 1.0)
-    assert abs(sum(out.values()) - 1) < 1e-9
-    return out
+    return target_law(model, prompt, params, LENGTH, {EOS}, grammars)
 
 
 def run_case(models, grammars, kind, params):
@@ -71,21 +44,14 @@ def run_case(models, grammars, kind, params):
     prompt = ACAC if kind == "suffix-own" else PROMPT
     engine = make_engine(target, kind, draft, max_num_seqs=256, max_model_len=16, g=2, eos=[EOS], grammars=grammars,
                          tree=TREES[tree] if tree else TreeParams())
-    for i in range(N):
-        engine.add_request(f"r{i}", prompt, params, seed=11)
-    counts: dict[tuple, int] = {}
+    counts, rounds = sample_outputs(engine, prompt, params, N, seed=11)
     stats = dict(drafted=0, accepted=0, forced=0, forced_accepted=0, trees=0)
-    while engine.has_unfinished():
-        out = engine.step()
-        for r in out.rounds:
-            stats["trees"] += r.paths > 1
-            stats["drafted"] += r.draft_len - r.forced
-            stats["accepted"] += r.accepted - r.forced_accepted
-            stats["forced"] += r.forced
-            stats["forced_accepted"] += r.forced_accepted
-        for c in out.finished:
-            counts[tuple(c.output_ids)] = counts.get(tuple(c.output_ids), 0) + 1
-    assert sum(counts.values()) == N
+    for r in rounds:
+        stats["trees"] += r.paths > 1
+        stats["drafted"] += r.draft_len - r.forced
+        stats["accepted"] += r.accepted - r.forced_accepted
+        stats["forced"] += r.forced
+        stats["forced_accepted"] += r.forced_accepted
     return counts, stats
 
 
@@ -112,21 +78,21 @@ TREES = {"tree": TreeParams(max_tokens=6, max_branches=3),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_outputs_match_the_masked_target(models, grammars, case):
+def test_outputs_match_the_masked_target(enumerable_models, grammars, case):
     kind, params = CASES[case]
-    counts, stats = run_case(models, grammars, kind, params)
+    counts, stats = run_case(enumerable_models, grammars, kind, params)
     assert stats["forced"] > 0 and stats["forced_accepted"] > 0
     if kind != "none":
         assert 0 < stats["accepted"] < stats["drafted"], "the case must exercise acceptance and rejection"
     if "tree" in kind:
         assert stats["trees"] > 1000, "the case must draft trees with more than one path"
     prompt = ACAC if kind.startswith("suffix-own") else PROMPT
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params, prompt), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], grammars, params, prompt), N)
     assert pvalue > ALPHA, f"{case}: p-value {pvalue:.2e}"
 
 
 @pytest.mark.slow
-def test_verifying_against_the_unmasked_target_is_caught(models, grammars, monkeypatch):
+def test_verifying_against_the_unmasked_target_is_caught(enumerable_models, grammars, monkeypatch):
     """The mutant: the verifier's p is the target's probabilities with forbidden tokens zeroed but not
     renormalised, so a draft token is accepted with the unmasked target's p(y). Recovered tokens still
     come from allowed ones, so the output parses; only its distribution is wrong, and the test sees it."""
@@ -139,14 +105,14 @@ def test_verifying_against_the_unmasked_target_is_caught(models, grammars, monke
 
     monkeypatch.setattr(engine_module, "row_probs", unrenormalised)
     kind, params = CASES["ngram"]
-    counts, stats = run_case(models, grammars, kind, params)
+    counts, stats = run_case(enumerable_models, grammars, kind, params)
     assert stats["drafted"] > 1000
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], grammars, params), N)
     assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"
 
 
 @pytest.mark.slow
-def test_dropping_forbidden_draws_from_sampled_trees_is_caught(models, grammars, monkeypatch):
+def test_dropping_forbidden_draws_from_sampled_trees_is_caught(enumerable_models, grammars, monkeypatch):
     """The mutant: a sampled tree's forbidden draws dropped like one-hot tokens instead of kept for
     their sure rejection, so the residual after them, norm([r - q]+), is never drawn. The same
     chi-square test must reject it."""
@@ -155,7 +121,7 @@ def test_dropping_forbidden_draws_from_sampled_trees_is_caught(models, grammars,
     monkeypatch.setattr(RoundWalk, "walk_tree", lambda self, b, tokens, parents, one_hot:
                         walk_tree(self, b, tokens, parents, [True] * len(tokens)))
     kind, params = CASES["suffix-own-sampled-tree"]
-    counts, stats = run_case(models, grammars, kind, params)
+    counts, stats = run_case(enumerable_models, grammars, kind, params)
     assert stats["trees"] > 1000
-    pvalue = chi2_pvalue(counts, exact_distribution(models[0], grammars, params, ACAC), N)
+    pvalue = chi2_pvalue(counts, exact_distribution(enumerable_models[0], grammars, params, ACAC), N)
     assert pvalue < ALPHA, f"the mutant passed: p-value {pvalue:.2e}"

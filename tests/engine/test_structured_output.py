@@ -16,13 +16,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from conftest import make_engine, noisy_copy, tiny_llama
+from conftest import NEAR_TIE, make_engine, noisy_copy, tiny_llama
 from pipeline.engine import RequestError, SamplingParams, TreeParams
 from pipeline.engine.core.response_format import parse_response_format
 from pipeline.engine.grammar.library import Grammars, grammar_text
 from pipeline.loading.models import resolve_hf_dir
 
-VOCAB, EOS, MAX_NEW, NEAR_TIE = 49152, 2, 40, 1e-3
+VOCAB, EOS, MAX_NEW = 49152, 2, 40
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid", "ngram+tree", "suffix+tree"]
 TREE = TreeParams(max_tokens=12, max_branches=3)     # "+tree": token trees under the forced tokens
 

@@ -8,12 +8,12 @@ Sampled output's exactness under trees: tests/engine/core/test_tree_verify.py an
 enumeration (tests/engine/test_end_to_end_distribution.py, tree cases)."""
 import pytest
 
-from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, top2_gap
+from conftest import greedy_references_fixture, make_engine, mixed_prompts_fixture, near_tie_mismatches, run_requests
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.engine.core.tree import children
 
-NUM_PROMPTS, MAX_NEW, NEAR_TIE = 40, 24, 1e-3
+NUM_PROMPTS, MAX_NEW = 40, 24
 TREE = TreeParams(max_tokens=12, max_branches=3)
 PATHS = {
     "cpu": dict(cpu_attention="on", cpu_decoder="on"),
@@ -24,14 +24,8 @@ PATHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def prompts(target_model):
-    return mixed_prompts(NUM_PROMPTS, target_model.config.vocab_size, seed=9)
-
-
-@pytest.fixture(scope="module")
-def references(target_model, prompts):
-    return [greedy_reference(target_model, p, MAX_NEW) for p in prompts]
+prompts = mixed_prompts_fixture(NUM_PROMPTS, seed=9)
+references = greedy_references_fixture(MAX_NEW)
 
 
 def off_first_branch(rounds, parents_seen) -> int:
@@ -60,16 +54,8 @@ def run_checked(engine, target_model, prompts, references):
         return batch
     engine.drafter.propose = recording
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=3)
-    mismatches = 0
-    for i, (prompt, ref) in enumerate(zip(prompts, references)):
-        out = done[str(i)].output_ids
-        assert len(out) == MAX_NEW
-        if out != ref:
-            mismatches += 1
-            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
-            gap = top2_gap(target_model, prompt + ref[:j])
-            assert gap < NEAR_TIE, f"prompt {i}: first difference at {j} with top-2 gap {gap:.2e} (not a tie)"
-    assert mismatches <= 2
+    outputs = [done[str(i)].output_ids for i in range(len(prompts))]
+    assert near_tie_mismatches(target_model, prompts, outputs, references) <= 2
     parents = [seen.get((r.request_id, r.round)) for r in rounds]
     return rounds, parents
 

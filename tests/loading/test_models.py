@@ -5,6 +5,7 @@ Tiny random Llama models stand in for real weights except in the one slow test, 
 shipped SmolLM2 GGUF and checks the cached copy gives bit-identical logits.
 """
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+from conftest import tiny_llama
 from pipeline.engine.model.hf_config import reject_unsupported
 from pipeline.loading import files, models
 from pipeline.loading.files import assemble_chunks
@@ -23,10 +25,8 @@ from pipeline.loading.models import ModelSpec, check_vocab_compatible
 DEMO = "smollm2-135m-instruct"
 
 
-def tiny_llama(vocab_size: int = 128) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(config)
+# conftest's tiny_llama, narrower and at Hugging Face's default init: these tests read its config and files
+small_llama = functools.partial(tiny_llama, vocab=128, hidden=32, init_range=0.02)
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_assemble_chunks_wrong_sha_leaves_nothing(tmp_path):
 
 
 def test_directory_without_safetensors_is_refused(tmp_path):
-    model = tiny_llama()
+    model = small_llama()
     model.config.save_pretrained(tmp_path)
     # transformers 5 ignores safe_serialization=False, so write the pickle ourselves
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
@@ -155,7 +155,7 @@ def _save_tiny_tokenizer(path: Path) -> None:
 
 
 def test_load_safetensors_dir(tmp_path):
-    tiny_llama().save_pretrained(tmp_path)
+    small_llama().save_pretrained(tmp_path)
     _save_tiny_tokenizer(tmp_path)
     model, tokenizer = models.load_model(ModelSpec(str(tmp_path)))  # default bfloat16
     assert model.dtype == torch.bfloat16 and not model.training
@@ -191,8 +191,8 @@ def test_demo_model_cache_matches_gguf(cache):
 
 def test_vocab_size_mismatch_names_both_sizes():
     with pytest.raises(ValueError, match=r"target.*=128.*draft.*=130"):
-        check_vocab_compatible(tiny_llama(128), tiny_llama(130))
-    check_vocab_compatible(tiny_llama(128), tiny_llama(128))
+        check_vocab_compatible(small_llama(vocab=128), small_llama(vocab=130))
+    check_vocab_compatible(small_llama(vocab=128), small_llama(vocab=128))
 
 
 class _Tok:
@@ -207,8 +207,8 @@ def test_tokenizer_vocab_mismatch_reports_count_and_example():
     target = _Tok({"a": 0, "b": 1, "c": 2})
     draft = _Tok({"a": 0, "b": 2, "c": 1})
     with pytest.raises(ValueError, match=r"differ in 2 entries.*'b': target id 1, draft id 2"):
-        check_vocab_compatible(tiny_llama(), tiny_llama(), target, draft)
-    check_vocab_compatible(tiny_llama(), tiny_llama(), target, _Tok(target.vocab))
+        check_vocab_compatible(small_llama(), small_llama(), target, draft)
+    check_vocab_compatible(small_llama(), small_llama(), target, _Tok(target.vocab))
 
 
 def test_active_sliding_window_is_rejected():

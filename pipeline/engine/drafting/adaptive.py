@@ -1,43 +1,11 @@
 """Adaptive draft length: per sequence, from its recent acceptance and the current batch size,
-using measured draft and verify costs. No torch import: calibration times the runners it is given
-through their own methods.
+using measured draft and verify costs (bench/RESULTS.md, "Adaptive policy"). CostModel holds the
+cost curves: measured by a short calibration, rescaled online by the observed steps.
+AdaptiveDraftLength gives each sequence the draft length g that maximises its tokens per second
+(g = 0, plain decoding, where speculation would cost more than it saves) and, for token trees, the
+tokens of each tree to keep; each class states its model.
 
-Model (bench/RESULTS.md, "Adaptive policy"): with per-token acceptance alpha, a round with
-draft length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs
-C(g) = V(B * (g + 1)) + g * D(B), where V(T) is the target's forward (+ verification) time for T
-tokens and D(B) the draft's time for one step over B rows (0 for n-gram lookup). Each sequence gets
-the g in [0, max_draft] that maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation
-would cost more than it saves. V and D are piecewise-linear curves measured by a short calibration
-(CostModel.calibrate) and rescaled online by the ratio of observed to predicted step times; what
-extra tokens cost at the running batch size is also read from the run's own steps (StepFit).
-
-Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
-(geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
-model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
-margin (10%): a curve calibrated on shared cores is noisy by about that much. Until then, if
-no sequence would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts
-anyway: otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the
-acceptance that would correct it is never observed. A sequence whose draft KV lags its history (a
-new prompt, or a stretch at g = 0) must first be caught up (a draft prefill of `lag` tokens,
-P per token): it drafts only if the time drafting saves over its remaining tokens R,
-R * (C(0) - C(g) / E(g)) / B, exceeds lag * P. The lag comes from the drafter, which owns the draft
-KV (Drafter.catch_up_lag); the policy only reads it.
-
-Token trees (drafting.tree): the drafter grows each row's tree up to its size and lists its tokens
-best-first with an estimated path probability s (drafting/trees.py); the policy keeps, over the whole
-batch, the m likeliest tokens that maximise (B + sum c_d s) / V(B + m), where d is a token's depth
-and c_d the observed share of the estimate at that depth: the rounds that accepted at least d tokens
-over the estimates summed at depth d (decayed sums; depth 1's prior TREE_PRIOR for TREE_PRIOR_WEIGHT
-estimated tokens, each deeper depth's prior the depth above's c, and c_d never above c_(d-1)). Rounds that
-accept what the index estimated raise c_1 towards 1, past the prior. An index's estimate is
-confident where it saw a continuation once (a one-occurrence chain estimates 1 at every depth), and
-the truth falls off with depth; c_d learns how fast. The policy may keep a tree, a path or nothing.
-Where no tree could pay at the step's batch size, even one whose every token were worth c_1, the
-drafter is not asked at all (tree_may_pay): a large batch pays no lookups it would discard. A step
-whose trees the policy refuses (no lookup, or no token kept of what the drafter offered) decays the
-calibration's evidence towards the prior (forget_trees), as a sequence's acceptance decays in its
-rounds at g = 0: a calibration that fell below what pays is otherwise never observed again, and one
-poor stretch of rounds, or a noisy verify curve, would keep trees off for the rest of the run.
+No torch import: calibration times the runners it is given through their own methods.
 """
 from __future__ import annotations
 
@@ -109,6 +77,15 @@ class StepFit:
 
 
 class CostModel:
+    """The model (bench/RESULTS.md, "Adaptive policy"): with per-token acceptance alpha, a round with draft
+    length g emits E(g) = (1 - alpha^(g+1)) / (1 - alpha) tokens on average and costs C(g) = V(B * (g + 1))
+    + g * D(B), where V(T) is the target's forward (+ verification) time for T tokens and D(B) the draft's
+    time for one step over B rows (0 for n-gram lookup). Each sequence gets the g in [0, max_draft] that
+    maximises E(g) / C(g); g = 0 (plain decoding) wins when speculation would cost more than it saves. V and
+    D are piecewise-linear curves measured by a short calibration (CostModel.calibrate) and rescaled online
+    by the ratio of observed to predicted step times; what extra tokens cost at the running batch size is
+    also read from the run's own steps (StepFit)."""
+
     def __init__(self, ema: float = 0.1):
         self.verify_curve: list[tuple[int, float]] = []    # (tokens, seconds)
         self.draft_curve: list[tuple[int, float]] = []     # (rows, seconds per draft step)
@@ -251,6 +228,18 @@ TREE_FORGET = 0.98          # per refused step: the calibration's evidence kept 
 
 
 class AdaptiveDraftLength:
+    """Acceptance is estimated per sequence from decayed counts of accepted drafts and first rejections
+    (geometric model), with a weak prior so a sequence that fell to g = 0 is retried later. With a draft
+    model the prior is the engine-wide acceptance once observed, and drafting must then beat g = 0 by a
+    margin (10%): a curve calibrated on shared cores is noisy by about that much. Until then, if no sequence
+    would draft but a good draft (acceptance `explore_alpha`) would pay, one sequence drafts anyway:
+    otherwise a pessimistic prior or a noisy calibration would keep g = 0 forever, and the acceptance that
+    would correct it is never observed. A sequence whose draft KV lags its history (a new prompt, or a
+    stretch at g = 0) must first be caught up (a draft prefill of `lag` tokens, P per token): it drafts only
+    if the time drafting saves over its remaining tokens R, R * (C(0) - C(g) / E(g)) / B, exceeds lag * P.
+    The lag comes from the drafter, which owns the draft KV (Drafter.catch_up_lag); the policy only reads
+    it."""
+
     def __init__(self, max_draft: int, costs: CostModel, draft_is_free: bool = False,
                  prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9, draft_margin: float = 0.1,
                  evidence_tokens: int = 16, explore_alpha: float = 0.9):
@@ -311,7 +300,7 @@ class AdaptiveDraftLength:
 
     @property
     def tree_calibration(self) -> list[float]:
-        """c_d per depth d (index d - 1): accepted share of the estimate (module docstring)."""
+        """c_d per depth d (index d - 1): accepted share of the estimate (tree_sizes)."""
         out, prior = [], self.tree_prior
         for accepted, estimated in self._tree_depths:
             share = (accepted + TREE_PRIOR_WEIGHT * prior) / (estimated + TREE_PRIOR_WEIGHT)
@@ -356,7 +345,24 @@ class AdaptiveDraftLength:
         return any(rate(m) > rate(0) * GAIN for m in ends)
 
     def tree_sizes(self, scores: list[list[float]], parents: list[list[int]]) -> list[int]:
-        """Tokens to keep of each row's tree (module docstring); rows listed best-first."""
+        """Tokens to keep of each row's tree; rows listed best-first.
+
+        Token trees (drafting.tree): the drafter grows each row's tree up to its size and lists its tokens
+        best-first with an estimated path probability s (drafting/trees.py); the policy keeps, over the
+        whole batch, the m likeliest tokens that maximise (B + sum c_d s) / V(B + m), where d is a token's
+        depth and c_d the observed share of the estimate at that depth: the rounds that accepted at least d
+        tokens over the estimates summed at depth d (decayed sums; depth 1's prior TREE_PRIOR for
+        TREE_PRIOR_WEIGHT estimated tokens, each deeper depth's prior the depth above's c, and c_d never
+        above c_(d-1)). Rounds that accept what the index estimated raise c_1 towards 1, past the prior. An
+        index's estimate is confident where it saw a continuation once (a one-occurrence chain estimates 1
+        at every depth), and the truth falls off with depth; c_d learns how fast. The policy may keep a
+        tree, a path or nothing. Where no tree could pay at the step's batch size, even one whose every
+        token were worth c_1, the drafter is not asked at all (tree_may_pay): a large batch pays no lookups
+        it would discard. A step whose trees the policy refuses (no lookup, or no token kept of what the
+        drafter offered) decays the calibration's evidence towards the prior (forget_trees), as a sequence's
+        acceptance decays in its rounds at g = 0: a calibration that fell below what pays is otherwise never
+        observed again, and one poor stretch of rounds, or a noisy verify curve, would keep trees off for
+        the rest of the run."""
         batch = len(scores)
         if not self.costs.is_calibrated or not batch:
             return [len(s) for s in scores]

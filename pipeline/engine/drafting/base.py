@@ -1,7 +1,7 @@
 """The Drafter protocol: how the engine asks for draft tokens. Proposers never verify.
 
 The engine talks to a drafter only through `Drafter`; it never reads or writes a drafter's
-attributes. Implementations: ngram.py (prompt lookup), suffix.py (suffix index), draft_model.py (a
+attributes. Implementations: ngram.py (prompt lookup), suffix.py (suffix indexes), draft_model.py (a
 small model with its own slot KV store), hybrid.py (a lookup where it matches, the model elsewhere),
 and NoDrafter here (draft length 0: plain decoding through the same engine).
 

@@ -3,42 +3,12 @@ part of the suffix and n-gram drafters' trees.
 
 Each tree token carries its *estimated path probability*: the product, along its path, of each
 token's estimated probability given its parent (the index's share: its count over the parent's
-continuations' counts). Growth pops the likeliest candidate, adds
-it, and offers its `max_branches` most frequent continuations as candidates, until `max_tokens`
-tokens, the depth limit, or a candidate below `min_prob`. The tokens come out in the order they were
-added: parents before children, siblings likeliest first, and path probabilities non-increasing,
-so the first n tokens of a tree are the best tree of n tokens by the estimate (what the engine's
-tree sizing relies on) and its siblings are verified likeliest first. A tree of one token per
-level is the single path the drafter would draft anyway.
-
-One-hot trees (`uniforms` None: the default, and every greedy row): the tree is a function of the index and the
-prefix, never of a draw; each parent's children are its `max_branches` most frequent continuations.
-
-Sampled trees (`drafting.tree.sampled`, sampled rows: `uniforms`, one per draw, from the row's draft
-generator): a parent's
-children are drawn from its continuations *without replacement*, each in proportion to the estimates
-left after the siblings drawn before it, and each carries that distribution as its q (support,
-probabilities) for the verifier (core/verify_tree.py: a sibling's q may depend on the earlier
-siblings, as long as it is the distribution the sibling was drawn from). A parent gets as many
-children as its one-hot tree would, and the j-th drawn child takes the j-th largest estimate as its
-own, so siblings stay listed in the order they were drawn and any first n tokens keep them in that
-order; the subtree under a child grows from the token drawn. The first child, which gets the
-deepest subtree, is then accepted with probability sum_y min(p(y), q(y)) = 1 - TV(p, q) rather than
-p(most frequent y): it pays only where the counts estimate the target's distribution that closely
-(drafting/suffix.py).
-
-The exactness rule: whether a draft position exists, and the q it is drawn from, may depend on the
-committed prefix and on draws the verifier judges before it (its ancestors, the siblings drawn
-before it and what grew under them), or on draws independent of its own given its ancestors (what
-grew under its ancestors' later siblings); never on its own draw, the siblings drawn after it
-(drawn without replacement, they tell which token it is) or its descendants. Otherwise a position
-exists more often for some tokens than for others, and the accepted tokens are no longer
-distributed as the target's. Best-first growth keeps the rule: a token is added before its later
-siblings' and its own subtrees are offered. Choosing how many tokens to keep from the estimates of
-the drawn tokens would break it (a subtree's estimates are those of the token drawn at its root), so
-a sampled tree comes with its `twin`, the one-hot tree of the same lookup (a function of the index
-and the prefix alone), and a tree is sized by its twin's estimates (the engine's adaptive sizing);
-its first n tokens are then the sampled tree grown to n tokens.
+continuations' counts). The tokens come out parents before children, siblings likeliest first (so
+verified in that order) and path probabilities non-increasing, so the first n tokens of a tree are
+the best tree of n tokens by the estimate (what the engine's tree sizing relies on). One-hot trees
+(the default, and every greedy row) are a function of the index and the prefix; sampled trees
+(`drafting.tree.sampled`) draw each parent's children without replacement, carry q, and are sized
+by their one-hot `twin`: grow_tree states the exactness rule this keeps.
 
 It knows nothing about tries, n-grams, models or verification: an index is reached through a
 callable that lists a state's continuations.
@@ -60,7 +30,7 @@ class DraftTree:
     probs: list[float]     # estimated path probability per token, non-increasing
     q: list[tuple[list[int], list[float]]] | None = None   # sampled trees: per token, the (support, probs)
                                                            # it was drawn from; None: every token one-hot
-    twin: "DraftTree | None" = None   # sampled trees: the one-hot tree of the same lookup (module docstring)
+    twin: "DraftTree | None" = None   # sampled trees: the one-hot tree of the same lookup (grow_tree)
 
     @property
     def plan(self) -> "DraftTree":
@@ -75,8 +45,38 @@ class DraftTree:
 
 def grow_tree(root, continuations: Continuations, max_depth: int, max_tokens: int, max_branches: int,
               min_prob: float, uniforms: Iterator[float] | None = None) -> DraftTree:
-    """The tree (module docstring): one-hot, or sampled with one uniform per draw from `uniforms`
-    (then with its one-hot twin)."""
+    """The tree from `root`: one-hot, or sampled with one uniform per draw from `uniforms` (then with
+    its one-hot twin). Growth pops the likeliest candidate, adds it, and offers its `max_branches`
+    most frequent continuations as candidates, until `max_tokens` tokens, the depth limit, or a
+    candidate below `min_prob`. A tree of one token per level is the single path the drafter would
+    draft anyway.
+
+    One-hot (`uniforms` None): each parent's children are its `max_branches` most frequent
+    continuations. Sampled (a sampled row's `uniforms`, one per draw, from its draft generator): a
+    parent's children are drawn from its continuations *without replacement*, each in proportion to
+    the estimates left after the siblings drawn before it, and each carries that distribution as its
+    q (support, probabilities) for the verifier (core/verify_tree.py: a sibling's q may depend on
+    the earlier siblings, as long as it is the distribution the sibling was drawn from). A parent
+    gets as many children as its one-hot tree would, and the j-th drawn child takes the j-th largest
+    estimate as its own, so siblings stay listed in the order they were drawn and any first n tokens
+    keep them in that order; the subtree under a child grows from the token drawn. The first child,
+    which gets the deepest subtree, is then accepted with probability sum_y min(p(y), q(y)) =
+    1 - TV(p, q) rather than p(most frequent y): it pays only where the counts estimate the target's
+    distribution that closely (drafting/suffix.py).
+
+    The exactness rule: whether a draft position exists, and the q it is drawn from, may depend on
+    the committed prefix and on draws the verifier judges before it (its ancestors, the siblings
+    drawn before it and what grew under them), or on draws independent of its own given its
+    ancestors (what grew under its ancestors' later siblings); never on its own draw, the siblings
+    drawn after it (drawn without replacement, they tell which token it is) or its descendants.
+    Otherwise a position exists more often for some tokens than for others, and the accepted tokens
+    are no longer distributed as the target's. Best-first growth keeps the rule: a token is added
+    before its later siblings' and its own subtrees are offered. Choosing how many tokens to keep
+    from the estimates of the drawn tokens would break it (a subtree's estimates are those of the
+    token drawn at its root), so a sampled tree comes with its `twin`, the one-hot tree of the same
+    lookup (a function of the index and the prefix alone), and a tree is sized by its twin's
+    estimates (the engine's adaptive sizing); its first n tokens are then the sampled tree grown to
+    n tokens."""
     tree = DraftTree([], [], [], [] if uniforms is not None else None)
     if uniforms is not None:
         tree.twin = grow_tree(root, continuations, max_depth, max_tokens, max_branches, min_prob)

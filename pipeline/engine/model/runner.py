@@ -31,8 +31,8 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import (KNEE_SHARE, MEMORY_SHARE, choose_max_num_seqs, free_memory, knee, measuring_context,
-                    probe_rows)
+from .slots import (KNEE_SHARE, MEMORY_SHARE, free_memory, knee, measuring_context, probe_rows,
+                    resolve_max_num_seqs)
 
 
 def cache_kwarg(model) -> str:
@@ -42,12 +42,13 @@ def cache_kwarg(model) -> str:
 
 
 class ModelRunner:
-    """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py chooses) of
+    """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py resolves it for
+    this model's KV and that of the models `beside` it, which keep as many slots) of
     `config.max_model_len` positions; the kernels come from the backend plan (plan.py): `kernels`
     overrides the per-kernel switches that `config.kernels` implies (tests and benchmarks)."""
 
     def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None,
-                 slot_bound: int | None = None):
+                 beside: tuple = ()):
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
         cfg = text_config(model.config)
@@ -58,11 +59,9 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.max_model_len = max_model_len = config.max_model_len
-        self.slots_reason = None
         auto = config.max_num_seqs == AUTO
-        if auto:           # slot_bound: the caller's bound (e.g. from the memory of two models), said by it
-            n, why = choose_max_num_seqs([model], max_model_len)
-            n, self.slots_reason = (n, why) if slot_bound is None else (min(n, slot_bound), None)
+        n, self.slots_reason = resolve_max_num_seqs(config.max_num_seqs, [model, *beside], max_model_len)
+        if auto:
             config = replace(config, max_num_seqs=n)
         self.num_slots = num_slots = config.max_num_seqs
         chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
@@ -225,26 +224,27 @@ class ModelRunner:
             return None if out is None else out.float()
         flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
             [s + n for s, n in zip(starts, num_new)], self.device)))
-        lay = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents)
+        layout = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents)
         if flex:
-            lay.flex = block_tables(lay.slots, lay.row_table[1], lay.row_table[2], self.cache.num_slots,
-                                    lay.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)
+            layout.flex = block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
+                                       layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
-        # transformers 5 release reads the same way (a boolean mask is only understood by recent ones).
-        keep = 0 if logits == "all" else (lay.row_ends if logits == "last" else lay.row_ends[:1])   # "none": HF needs >= 1
+        # transformers 5 release reads the same way (a boolean mask is only understood by recent ones);
+        # "none" keeps one, as HF needs >= 1.
+        keep = 0 if logits == "all" else (layout.row_ends if logits == "last" else layout.row_ends[:1])
         mask = None
         if not flex and kernel is None:
-            mask, lay.rest_mask = attention_masks(lay, self.num_groups, self.dtype)
-        out = self._model_forward(lay, mask, keep)
+            mask, layout.rest_mask = attention_masks(layout, self.num_groups, self.dtype)
+        out = self._model_forward(layout, mask, keep)
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.float()                     # [kept, vocab]
 
-    def _model_forward(self, lay, mask: torch.Tensor | None, keep) -> torch.Tensor:
+    def _model_forward(self, layout, mask: torch.Tensor | None, keep) -> torch.Tensor:
         """The model's forward over the slot store for one layout: logits of the kept packed positions
         ([kept, vocab], the model's dtype)."""
-        self.cache.layout = lay
-        out = self.model(input_ids=lay.input_ids, position_ids=lay.flat_position_ids, attention_mask=mask,
-                         use_cache=True, logits_to_keep=keep, slot_layout=lay,
+        self.cache.layout = layout
+        out = self.model(input_ids=layout.input_ids, position_ids=layout.flat_position_ids, attention_mask=mask,
+                         use_cache=True, logits_to_keep=keep, slot_layout=layout,
                          **{self.cache_kwarg: self.cache})
         self.cache.layout = None
         return out.logits[0]

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from ..config import AUTO
 from .hf_config import head_dim, text_config
 
 BEST = {"cpu": 256, "cuda": 256}       # CPU: the most rows the measurement tries; CUDA: the count taken
@@ -48,8 +49,13 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def choose_max_num_seqs(models: list, max_model_len: int) -> tuple[int, str]:
-    """(running sequences, why) for models that each keep one slot per sequence."""
+def resolve_max_num_seqs(max_num_seqs, models: list, max_model_len: int) -> tuple[int, str | None]:
+    """`engine.max_num_seqs` as a number, and how auto was resolved (None where it was a number): the
+    most sequences whose KV fits, each of `models` (the target first, then a draft model beside it)
+    keeping one slot per sequence. The one place auto is resolved: the target's runner calls it, and
+    on CPU then keeps the fewest of those near its best measured tokens/s (ModelRunner._fit_slots)."""
+    if max_num_seqs != AUTO:
+        return max_num_seqs, None
     device = next(models[0].parameters()).device
     kind = "cuda" if device.type == "cuda" else "cpu"
     per_seq = sum(slot_bytes(m, max_model_len) for m in models)

@@ -1,6 +1,6 @@
-"""The suffix drafter (engine/suffix.py): the index in plain Python, then through the engine (greedy
-identity alone and in hybrid, drafts actually accepted), its config keys, and the worker-wide cache's
-memory bound under thousands of finished sequences."""
+"""The suffix drafter (drafting/suffix.py over drafting/suffix_index.py): the index in plain Python,
+then through the engine (greedy identity alone and in hybrid, drafts actually accepted), its config
+keys, and the worker-wide cache's memory bound under thousands of finished sequences."""
 import random
 
 import pytest
@@ -11,7 +11,7 @@ from pipeline.errors import ConfigError
 from pipeline.job.config import config_hash, hashed_tree, load_config
 from pipeline.engine import SamplingParams, SuffixDrafter, SuffixParams
 from pipeline.engine.core.request import Sequence
-from pipeline.engine.drafting.suffix import RequestIndex, SuffixCache, SuffixTrie
+from pipeline.engine.drafting.suffix_index import RequestIndex, SuffixCache, SuffixTrie
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

@@ -355,7 +355,7 @@ def test_adaptive_sampled_trees_are_sized_by_their_one_hot_twin(target_model):
         assert tree.plan.tokens == [a, c, b] and tree.plan.probs == [0.75, 0.75, 0.25]
         found = DraftBatch.from_lists([tree.tokens], "cpu", SparseProbs.from_lists([tree.q], "cpu"),
                                       [tree.parents], [tree.plan])
-        kept = engine._sized(found)
+        kept = engine._size_trees(found)
         assert kept.num_draft == [3] and kept.proposals[0] == tree.tokens[:3]
         kids = [(tree.tokens[i], dict(zip(*tree.q[i]))) for i in children(tree.parents)[0]]
         for token, prob in first_token_law(kids, {a: 0.5, b: 0.5}).items():
