@@ -279,14 +279,21 @@ class AdaptiveDraftLength:
         if seq.is_finished:
             del self._stats[seq.request_id]
 
-    def best_length(self, alpha: float, batch_size: int, margin: float | None = None, min_g: int = 0) -> int:
+    def round_costs(self, batch_size: int) -> list[float]:
+        """C(g) for g = 0 .. max_draft at this batch size: the same for every sequence of a step."""
+        return [self.costs.round_cost(batch_size, g, self.draft_is_free) for g in range(self.max_draft + 1)]
+
+    def best_length(self, alpha: float, batch_size: int, margin: float | None = None, min_g: int = 0,
+                    costs: list[float] | None = None) -> int:
         """The g maximising tokens per second. With a draft model, drafting must beat g = 0 by
         `margin` (default draft_margin): the calibration is noisy, so a predicted gain of a few
-        percent can be a measured loss. `min_g`: the best length of at least that."""
+        percent can be a measured loss. `min_g`: the best length of at least that. `costs`: the step's
+        round_costs, where the caller has them."""
         margin = self.draft_margin if margin is None else margin
+        costs = costs or self.round_costs(batch_size)
         best_g, best_rate = min_g, 0.0
         for g in range(min_g, self.max_draft + 1):
-            cost = self.costs.round_cost(batch_size, g, self.draft_is_free)
+            cost = costs[g]
             rate = expected_tokens(alpha, g) / cost if cost > 0 else 0.0
             if g > 0 and not self.draft_is_free:
                 rate /= 1.0 + margin
@@ -395,10 +402,11 @@ class AdaptiveDraftLength:
             return [self.max_draft] * len(batch)
         # Until a draft model's acceptance is known, no margin: drafting is how it becomes known.
         margin = None if self.has_evidence else 0.0
+        costs = self.round_costs(len(batch))
         lengths = []
         for s, lag in zip(batch, lags or [0] * len(batch)):
             alpha = self.acceptance(s.request_id)
-            g = self.best_length(alpha, len(batch), margin)
+            g = self.best_length(alpha, len(batch), margin, costs=costs)
             if g and not self.draft_is_free and lag and not self.catch_up_pays(
                     alpha, g, len(batch), lag, s.params.max_tokens - len(s.output_ids)):
                 g = 0
