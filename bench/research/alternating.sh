@@ -7,6 +7,7 @@
 #     bash bench/research/alternating.sh qwen-prefix      # Qwen pair, draft model + prefix reuse on / off, batch 4
 #     bash bench/research/alternating.sh qwen-draft-cap   # Qwen pair, bf16 draft, adaptive, draft cap 4 / 6, batch 1
 #     bash bench/research/alternating.sh adaptive-pairs   # SmolLM2 n-gram fixed / adaptive at batch 1, plain / adaptive all at once
+#     bash bench/research/alternating.sh adaptive-default # SmolLM2, the auto dtype: plain / adaptive n-gram at batch 1, 64 and 240 at once
 #
 # Prompt files are made by bench.make_prompts / bench.make_templated when missing. Each mode writes one
 # JSON per run under bench/out/<mode>/ (tokens_per_s, acceptance_rate, mean_tokens_per_round, ...).
@@ -28,7 +29,7 @@ one() {    # one OUT ARGS...: one engine run
     "$PY" -m bench.run_one --mode engine "$@" --out "$out"
 }
 
-MODE=${1:?usage: bash bench/research/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs}
+MODE=${1:?usage: bash bench/research/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs|adaptive-default}
 OUT=bench/out/$MODE
 mkdir -p "$OUT"
 TEMPLATED=bench/out/prompts_templated.json
@@ -107,6 +108,24 @@ adaptive-pairs)
             --max-tokens 128 --prompts "$OUT/prompts_64.json"
         one "$OUT/adaptive_ngram_all_$rep.json" --model smollm2 --drafter ngram --batch 64 --adaptive --dtype float32 \
             --max-tokens 128 --prompts "$OUT/prompts_64.json"
+    done ;;
+adaptive-default)
+    P256=bench/out/prompts_smollm2_256.json
+    need $P256 "$PY" -m bench.make_prompts --model smollm2-135m-instruct --n 256 --out $P256
+    "$PY" -c "import json, sys; json.dump(json.load(open(sys.argv[1]))[64:68], open(sys.argv[2], 'w'))" $P256 "$OUT/prompts_b1.json"
+    first 64 $P256 "$OUT/prompts_64.json"
+    first 240 $P256 "$OUT/prompts_240.json"
+    run() { one "$OUT/$1.json" --model smollm2 --batch "$2" --prompts "$OUT/prompts_$3.json" --max-tokens 128 \
+                --dtype auto "${@:4}"; }
+    for rep in 1 2 3; do
+        run none_b1_$rep 1 b1 --drafter none
+        run adaptive_ngram_b1_$rep 1 b1 --drafter ngram --adaptive
+        run none_64_$rep 64 64 --drafter none
+        run adaptive_ngram_64_$rep 64 64 --drafter ngram --adaptive
+    done
+    for rep in 1 2; do
+        run adaptive_ngram_240_$rep 128 240 --drafter ngram --adaptive
+        run none_240_$rep 128 240 --drafter none
     done ;;
 *)
     echo "unknown mode $MODE" >&2; exit 2 ;;
