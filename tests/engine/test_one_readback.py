@@ -5,8 +5,9 @@ without its output size). On a GPU each of these waits for the device; the step'
 VerifyOutput.to_host. Uniforms drawn from a sequence's own CPU generator are host data, not reads.
 
 What still reads back, and is counted so that it cannot grow unseen: a draft model's proposal reads its
-tokens once per draft step (the next draft step's input), and the sampled walk over a token tree reads
-whether a walk is still going once per try (its length is the draw's).
+tokens once per draft step (the next draft step's input). The sampled walk over a token tree makes a fixed
+number of tries on a GPU (core/verify_rule.py's FIXED_WALK) and reads nothing; on a CPU it walks only the
+rows still going and reads whether any is, once per try.
 
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
@@ -26,6 +27,7 @@ from conftest import make_engine, mixed_prompts, tiny_llama
 from pipeline.engine import SamplingParams
 from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.engine.config import TreeParams
+from pipeline.engine.core import verify_rule
 
 READS = {"tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__"}
 VALUE_SHAPED = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique2",
@@ -156,7 +158,13 @@ def test_a_draft_model_reads_its_tokens_once_per_draft_step(models, kind):
     assert drafted > 0
 
 
-def test_the_sampled_tree_walk_reads_once_per_try(models):
+def test_the_sampled_tree_walk_of_fixed_tries_reads_nothing(models, monkeypatch):
+    monkeypatch.setattr(verify_rule, "FIXED_WALK", {"cpu", "cuda"})
+    for counts in _run(models, "suffix", SAMPLED, TREE):
+        assert _only_the_readback(counts), dict(counts)
+
+
+def test_the_sampled_tree_walk_of_live_rows_reads_once_per_try(models):
     walked = 0
     for counts in _run(models, "suffix", SAMPLED, TREE):
         walk, rest = _split(counts, "core/verify_tree.py")

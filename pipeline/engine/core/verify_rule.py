@@ -3,7 +3,9 @@
 
 Every size the rule needs (the longest draft, the deepest tree, whether any row is greedy) is taken
 from host lists, so verification reads nothing back from the device before the step's one readback
-(VerifyOutput.to_host).
+(VerifyOutput.to_host). Sampled token trees are walked a fixed number of tries over every row on the
+devices in FIXED_WALK (each read would wait for the device), and only over the walks still going
+elsewhere (a CPU reads its own memory): the same result either way (verify_tree._sampled_walk).
 
 This module knows nothing about models, requests or random generators: the caller processes the
 target's rows and draws the uniforms.
@@ -15,6 +17,8 @@ import torch
 from .tree import depths
 from .verify import SparseProbs, VerifyOutput, verify, verify_greedy
 from .verify_tree import verify_tree, verify_tree_greedy
+
+FIXED_WALK = {"cuda"}        # device types whose sampled tree walks make a fixed number of tries
 
 
 def verify_drafts(
@@ -42,7 +46,8 @@ def verify_drafts(
     accept_u, sample_u = uniforms
     is_greedy = torch.tensor(greedy, device=target_rows.device)
     if tree is not None:
+        tries = max(num_draft, default=0) if target_rows.device.type in FIXED_WALK else None
         return verify_tree(draft_ids, cu_num_draft, tree, target_rows, draft_probs, is_greedy,
-                           accept_u, sample_u, max_depth=longest, greedy=(any(greedy), False))
+                           accept_u, sample_u, max_depth=longest, greedy=(any(greedy), False), tries=tries)
     return verify(draft_ids, cu_num_draft, target_rows, draft_probs, is_greedy,
                   accept_u, sample_u, max_draft=longest, any_greedy=any(greedy))

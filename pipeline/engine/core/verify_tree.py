@@ -114,9 +114,16 @@ def _residual(rows: torch.Tensor, total: torch.Tensor, q_rows: torch.Tensor) -> 
     return torch.where((res.sum(dim=-1) <= 0).unsqueeze(1), rows, res)
 
 
-def _sampled_walk(draft_ids, cu_num_draft, idx: TreeIndex, target_probs, draft_probs, walking, accept_uniforms):
+def _sampled_walk(draft_ids, cu_num_draft, idx: TreeIndex, target_probs, draft_probs, walking, accept_uniforms,
+                  tries: int | None = None):
     """The sampling rule for the sequences in `walking` [num_seqs] bool. Returns (node each walk ended
-    at, global, num_draft_tokens + b where it stayed at the root; r at the end [num_seqs, vocab])."""
+    at, global, num_draft_tokens + b where it stayed at the root; r at the end [num_seqs, vocab]).
+
+    A try judges one candidate node: accepted, the walk moves to its first child; rejected, r becomes the
+    residual and the walk moves to its next sibling; so a walk makes at most as many tries as its tree
+    has nodes. With `tries` (at least the largest tree's size) every row takes part in that many tries,
+    a finished walk changing nothing, and nothing is read back; without it, each try takes the walks
+    still going, and whether one is reads back once per try (cheap where the device is the host)."""
     n, num_seqs, vocab = len(draft_ids), len(cu_num_draft) - 1, target_probs.shape[-1]
     device = draft_ids.device
     first, nxt = _tree_links(idx, num_seqs)
@@ -126,6 +133,19 @@ def _sampled_walk(draft_ids, cu_num_draft, idx: TreeIndex, target_probs, draft_p
     cand = first[cur]
     r = target_probs[idx.root_row].clone()                                  # [num_seqs, vocab]
     active = (cand >= 0) & walking
+    if tries is not None:
+        for _ in range(tries if n else 0):
+            c = cand.clamp(min=0)
+            total = r.sum(dim=-1)
+            hit = accept_uniforms[c].to(r.dtype) * q_y[c] * total < r.gather(1, draft_ids[c].unsqueeze(1)).squeeze(1)
+            accept, reject = active & hit, active & ~hit
+            cur = torch.where(accept, c, cur)
+            residual = _residual(r, total, _q_rows(draft_probs, draft_ids, c, vocab, r.dtype))
+            r = torch.where(accept.unsqueeze(1), target_probs[idx.own_row[c]],
+                            torch.where(reject.unsqueeze(1), residual, r))
+            cand = torch.where(accept, first[c], torch.where(reject, nxt[c], cand))
+            active = (cand >= 0) & walking
+        return cur, r
     while bool(active.any()):
         a = active.nonzero().squeeze(1)
         c = cand[a]
@@ -155,10 +175,11 @@ def verify_tree(
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
     max_depth: int | None = None,     # the deepest tree's depth, where the host knows it
     greedy: tuple[bool, bool] | None = None,   # (any, all) of is_greedy, where the host knows them
+    tries: int | None = None,         # the sampled walk's tries, at least the largest tree's size (_sampled_walk)
 ) -> VerifyOutput:
     """The greedy or sampling rule for every tree of a ragged batch; `path` holds the accepted tokens.
-    The sampled walk reads back, once per try, whether a walk is still going (its length is the draw's);
-    greedy trees, with max_depth and greedy given, read nothing back."""
+    With max_depth, greedy and tries given, nothing is read back from the device; without tries the
+    sampled walk reads back once per try whether a walk is still going."""
     num_seqs, n = len(cu_num_draft) - 1, len(draft_ids)
     any_greedy, all_greedy = greedy if greedy is not None else (bool(is_greedy.any()), bool(is_greedy.all()))
     idx = tree_index(cu_num_draft, parents)
@@ -168,7 +189,8 @@ def verify_tree(
     final_row = idx.root_row + 1 + chosen
     final_tok = target_probs[final_row].argmax(dim=-1) if any_greedy else None
     if not all_greedy:
-        cur, r = _sampled_walk(draft_ids, cu_num_draft, idx, target_probs, draft_probs, ~is_greedy, accept_uniforms)
+        cur, r = _sampled_walk(draft_ids, cu_num_draft, idx, target_probs, draft_probs, ~is_greedy, accept_uniforms,
+                               tries)
         walked = torch.where(cur < n, idx.pos[cur.clamp(max=max(n - 1, 0))] if n else cur, -1)
         chosen = torch.where(is_greedy, chosen, walked)
         sampled = sample_from_probs(r, sample_uniforms)

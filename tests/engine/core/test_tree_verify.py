@@ -245,3 +245,36 @@ def test_tree_shape_helpers():
     bits = visible_inputs(parents)
     assert bits[0] == 1 and bits[5] == 0b101011       # input 5 = token 4: root, tokens 0, 2, 4
     assert children(parents)[0] == [0, 1] and children(parents)[1] == [2, 3]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_walk_of_fixed_tries_draws_what_the_walk_of_live_rows_draws(kind):
+    """On a GPU the sampled walk takes every row through as many tries as the largest tree has nodes
+    (nothing read back); elsewhere only the walks still going. The same uniforms give the same tokens."""
+    models, rng, gen = ToyModels(5), np.random.default_rng(5), torch.Generator().manual_seed(5)
+    rows = 400
+    trees = [draft_tree(models, [], kind, rng) for _ in range(rows)]
+    ids, parents, cu, p_rows, q_entries = [], [], [0], [], []
+    for par, toks, q in trees:
+        ids += toks
+        parents += par
+        cu.append(cu[-1] + len(toks))
+        p_rows.append(models.target([]))
+        p_rows += [models.target([toks[j] for j in path_to(par, i)]) for i in range(len(toks))]
+        if q is not None:
+            q_entries += [q[i] for i in range(len(toks))]
+    draft_probs = None
+    if kind == "sparse":
+        draft_probs = SparseProbs.from_lists([[(list(np.flatnonzero(r)), list(r[np.flatnonzero(r)]))
+                                               for r in q_entries]], "cpu")
+    elif kind != "onehot":
+        draft_probs = torch.tensor(np.array(q_entries), dtype=torch.float64)
+    greedy = torch.rand(rows, generator=gen) < 0.2                  # a few greedy rows among the sampled
+    args = (torch.tensor(ids), torch.tensor(cu), torch.tensor(parents), torch.tensor(np.array(p_rows)), draft_probs,
+            greedy, torch.rand(len(ids), generator=gen, dtype=torch.float64),
+            torch.rand(rows, generator=gen, dtype=torch.float64))
+    live = verify_tree(*args)
+    fixed = verify_tree(*args, tries=max(len(t[0]) for t in trees))
+    assert torch.equal(live.num_accepted, fixed.num_accepted) and torch.equal(live.output_ids, fixed.output_ids)
+    assert torch.equal(live.path, fixed.path) and torch.equal(live.is_accepted, fixed.is_accepted)
+    assert 0 < int(live.num_accepted.sum()) and int((live.num_accepted < 3).sum()) > 0
