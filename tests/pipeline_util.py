@@ -40,8 +40,11 @@ def job_config(model_dir: Path, input_path: str, output_path: str, *overrides: s
 def job_overrides(model_dir: Path, input_path: str, output_path: str, *overrides: str) -> list[str]:
     """job_config's settings as `key=value` overrides (for `python jobs/generate.py ...`)."""
     # draft_dtype same: a test that makes the target its own draft expects every draft accepted, which
-    # holds only with the draft in the target's dtype (auto would pick bf16 on a CPU with bf16)
-    base = [f"models.target={model_dir}", "drafting.method=ngram", "models.dtype=float32", "models.draft_dtype=same",
+    # holds only with the draft in the target's dtype (auto would pick bf16 on a CPU with bf16). Fixed-length
+    # drafts: the adaptive default drafts where this machine's measured costs say it pays, so whether a
+    # small job drafts at all would depend on the machine's load while it calibrates
+    base = [f"models.target={model_dir}", "drafting.method=ngram", "drafting.adaptive=false", "models.dtype=float32",
+            "models.draft_dtype=same",
             "engine.max_num_seqs=4", "engine.max_model_len=256", "drafting.num_speculative_tokens=3",
             "sampling.max_tokens=8", "sampling.temperature=0", f"input.path={input_path}",
             "input.rows_per_unit=5", f"output.path={output_path}", "run.run_id=t", "run.progress=false",
