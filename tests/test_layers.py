@@ -35,6 +35,7 @@ LAYERS = [                                     # ground floor first
     ["pipeline.cli", "pipeline"],
 ]
 TORCH_FREE = ["pipeline.engine.core.request", "pipeline.engine.core.scheduler", "pipeline.engine.core.prefix",
+              "pipeline.engine.core.timing",
               "pipeline.engine.core.response_format",
               "pipeline.engine.config", "pipeline.errors"]
 

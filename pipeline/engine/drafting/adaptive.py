@@ -13,6 +13,7 @@ import bisect
 import time
 from typing import TYPE_CHECKING, Callable
 
+from ..core.timing import interleaved
 from ..core.tree import depths
 
 if TYPE_CHECKING:
@@ -192,15 +193,9 @@ class CostModel:
 def time_forwards(runner: ModelRunner, forwards: list[tuple[int, int, str]], context: int, repeats: int,
                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Median seconds of each forward (tokens, at most rows, logits) at `context`, + the softmax the engine
-    applies to its logits. A warm-up round, then `repeats` rounds each timing every forward once."""
-    laps: list[list[float]] = [[] for _ in forwards]
-    for rep in range(repeats + 1):
-        for lap, (tokens, max_rows, logits) in zip(laps, forwards):
-            t0 = clock()
-            _forward(runner, tokens, max_rows, context, logits)
-            if rep:
-                lap.append(clock() - t0)
-    return [sorted(lap)[len(lap) // 2] for lap in laps]
+    applies to its logits: a warm-up round, then `repeats` rounds each timing every forward once."""
+    calls = [lambda t=t, r=r, lg=lg: _forward(runner, t, r, context, lg) for t, r, lg in forwards]
+    return interleaved(calls, repeats, clock=clock)
 
 
 def _forward(runner: ModelRunner, tokens: int, max_rows: int, context: int, logits: str) -> None:

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...core.timing import interleaved
 from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
@@ -240,16 +241,9 @@ def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kern
         live, last_ratio = list(kinds), {}
         for b in buckets:
             rows = x[:b]
-            laps: dict[str, list[float]] = {kind: [] for kind in live}
-            for rep in range(repeats + 1):
-                for kind in live:
-                    t0 = time.perf_counter()
-                    for fn in fns[kind]:
-                        fn(rows)
-                    if rep:                                           # the first pass warms up
-                        laps[kind].append(time.perf_counter() - t0)
-            for kind in live:
-                times[kind][b] = sorted(laps[kind])[len(laps[kind]) // 2] * 1e3 * scale
+            laps = interleaved([lambda fs=fns[kind]: [fn(rows) for fn in fs] for kind in live], repeats)
+            for kind, seconds in zip(live, laps):
+                times[kind][b] = seconds * 1e3 * scale
             fastest = min(times[kind][b] for kind in live)
             for kind in list(live):
                 ratio = times[kind][b] / fastest
@@ -340,15 +334,8 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
 
 
 def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmups: int) -> dict[str, float]:
-    """Median ms of each call, the calls taken in turn (the box's drift hits each alike), after warm-ups."""
-    laps: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(warmups + repeats):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            if rep >= warmups:
-                laps[name].append(time.perf_counter() - t0)
-    return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in laps.items()}
+    """Median ms of each named call, the calls taken in turn (core/timing.py), after warm-ups."""
+    return {name: t * 1e3 for name, t in zip(calls, interleaved(list(calls.values()), repeats, warmups))}
 
 
 def disturbed(timings: dict[int, dict[str, float]], least_growth: float = 5.0) -> bool:
