@@ -20,8 +20,11 @@ need() {   # need FILE COMMAND...: run COMMAND (which writes FILE) unless FILE e
     local file=$1; shift
     [ -f "$file" ] || "$@"
 }
+span() {   # span A B SRC DST: prompts A .. B - 1 of SRC
+    "$PY" -c "import json, sys; json.dump(json.load(open(sys.argv[3]))[int(sys.argv[1]):int(sys.argv[2])], open(sys.argv[4], 'w'))" "$1" "$2" "$3" "$4"
+}
 first() {  # first N SRC DST: the first N prompts of SRC
-    "$PY" -c "import json, sys; json.dump(json.load(open(sys.argv[2]))[:int(sys.argv[1])], open(sys.argv[3], 'w'))" "$1" "$2" "$3"
+    span 0 "$1" "$2" "$3"
 }
 one() {    # one OUT ARGS...: one engine run
     local out=$1; shift
@@ -34,6 +37,8 @@ OUT=bench/out/$MODE
 mkdir -p "$OUT"
 TEMPLATED=bench/out/prompts_templated.json
 templated() { need $TEMPLATED "$PY" -m bench.make_templated --seeds-per-slot 16 --samples 2 --out $TEMPLATED; }
+P256=bench/out/prompts_smollm2_256.json
+mixed256() { need $P256 "$PY" -m bench.make_prompts --model smollm2-135m-instruct --n 256 --out $P256; }
 
 case $MODE in
 suffix-rules)
@@ -93,8 +98,7 @@ qwen-draft-cap)
             --max-tokens 128 --prompts "$OUT/prompts_2.json"
     done ;;
 adaptive-pairs)
-    P256=bench/out/prompts_smollm2_256.json
-    need $P256 "$PY" -m bench.make_prompts --model smollm2-135m-instruct --n 256 --out $P256
+    mixed256
     first 4 $P256 "$OUT/prompts_4.json"
     first 64 $P256 "$OUT/prompts_64.json"
     for rep in 1 2 3; do
@@ -110,9 +114,8 @@ adaptive-pairs)
             --max-tokens 128 --prompts "$OUT/prompts_64.json"
     done ;;
 adaptive-default)
-    P256=bench/out/prompts_smollm2_256.json
-    need $P256 "$PY" -m bench.make_prompts --model smollm2-135m-instruct --n 256 --out $P256
-    "$PY" -c "import json, sys; json.dump(json.load(open(sys.argv[1]))[64:68], open(sys.argv[2], 'w'))" $P256 "$OUT/prompts_b1.json"
+    mixed256
+    span 64 68 $P256 "$OUT/prompts_b1.json"
     first 64 $P256 "$OUT/prompts_64.json"
     first 240 $P256 "$OUT/prompts_240.json"
     run() { one "$OUT/$1.json" --model smollm2 --batch "$2" --prompts "$OUT/prompts_$3.json" --max-tokens 128 \

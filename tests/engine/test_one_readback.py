@@ -125,9 +125,8 @@ def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParam
 
 def _only_the_readback(counts: collections.Counter) -> bool:
     """The step's reads are VerifyOutput.to_host's one."""
-    return list(counts.elements()) == [("tolist", "engine/core/verify.py:59")] or (
-        len(counts) == 1 and sum(counts.values()) == 1 and next(iter(counts))[0] == "tolist"
-        and "core/verify.py" in next(iter(counts))[1])
+    reads = list(counts.elements())
+    return len(reads) == 1 and reads[0][0] == "tolist" and "engine/core/verify.py" in reads[0][1]
 
 
 def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter, collections.Counter]:
