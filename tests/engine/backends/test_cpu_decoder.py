@@ -201,3 +201,20 @@ def test_loop_over_row_attention_is_bitwise_the_modules(tmp_path, monkeypatch, d
     loop, modules = _pair(_model("llama", dtype))
     assert isinstance(loop.cpu_attention, cpu_attention.RowAttention) and loop.cpu_attention.sdpa_from == 16
     _assert_same(loop, modules)
+
+
+@pytest.mark.parametrize("plan", ["panel", "onednn", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.avx512_bf16)])
+def test_loop_over_the_family_mlp_is_bitwise_the_modules(tmp_path, monkeypatch, dtype, plan):
+    """Where the MLP plan keeps the family's own MLP (recorded timings: the modules faster), the loop makes
+    its calls itself, gate and up in one panel call where both take panels, and computes what the module
+    computes; the mixed plan's steps take the merged call (3, 4 rows) and the separate ones (8+)."""
+    from pipeline.engine.backends.cpu import calibrate
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "measure_mlp", lambda *a, **k: {8: {"modules": 1.0, "merged": 2.0}})
+    loop, modules = _pair(_model("llama", dtype), plan=PLANS[plan])
+    assert loop.mlp_plan is not None and not loop.mlp_plan.merged
+    gated = [layer.gated for layer in loop.decoder.layers]
+    assert all(g is not None for g in gated)
+    assert all((g.gate_up is not None) == ("panel" in PLANS[plan].kinds) for g in gated)
+    _assert_same(loop, modules)

@@ -62,24 +62,28 @@ class CpuAttention:
             self._fns[dtype] = fn
 
     def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
-                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
+                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None,
+                 check: bool = True) -> torch.Tensor:
         """query [num_tokens, heads, dim]; k_store/v_store [num_slots, kv_heads, cap, dim] fp32 or
         bf16; row_table [4, rows] int64 (slot, start, num_new, first packed token per row). Returns
         the attention output [num_tokens, heads, dim] in the query's dtype (computed in fp32). Row
         r's token i (position start + i) sees keys 0 .. start + i of its slot; those must already
         hold this step's keys. bits [num_tokens] int64 (token trees, kv/layout.py's TreeRows): of
-        the keys start .. start + 62 a token sees only those whose bit (key - start) is set."""
+        the keys start .. start + 62 a token sees only those whose bit (key - start) is set.
+        check=False: the caller has checked arguments of the same dtypes and strides (the decoder
+        loop, once per forward for all its layers)."""
         fn = self._fns.get(k_store.dtype)
         if fn is None or v_store.dtype != k_store.dtype:
             raise ValueError(f"cpu attention: stores {k_store.dtype} / {v_store.dtype}: expected both fp32 or bf16")
         q32 = query.float().contiguous()
         num_slots, kv_heads, cap, dim = k_store.shape
         heads = query.shape[1]
-        for t in (k_store, v_store, row_table) + ((bits,) if bits is not None else ()):
-            if not t.is_contiguous():
-                raise ValueError("cpu attention: store, row table and bits must be contiguous")
-        if bits is not None and (bits.dtype != torch.long or bits.shape != (query.shape[0],)):
-            raise ValueError(f"cpu attention: bits {tuple(bits.shape)} {bits.dtype}: expected [num_tokens] int64")
+        if check:
+            for t in (k_store, v_store, row_table) + ((bits,) if bits is not None else ()):
+                if not t.is_contiguous():
+                    raise ValueError("cpu attention: store, row table and bits must be contiguous")
+            if bits is not None and (bits.dtype != torch.long or bits.shape != (query.shape[0],)):
+                raise ValueError(f"cpu attention: bits {tuple(bits.shape)} {bits.dtype}: expected [num_tokens] int64")
         out = torch.empty_like(q32)
         status = fn(q32.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(),
                     row_table.data_ptr(), None if bits is None else bits.data_ptr(), row_table.shape[1],
@@ -97,19 +101,30 @@ class RowAttention:
 
     def __init__(self, kernel: CpuAttention, sdpa_from: int):
         self.kernel, self.sdpa_from = kernel, sdpa_from
+        self._split: tuple[torch.Tensor, list[list[int]], torch.Tensor | None] | None = None
 
-    def __deepcopy__(self, memo):                       # stateless over a shared kernel
-        return self
+    def __deepcopy__(self, memo):                       # a shared kernel; the split is rebuilt per table
+        return RowAttention(self.kernel, self.sdpa_from)
+
+    def _rows(self, row_table: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None]:
+        """(the long rows as lists, the short rows' table or None), made once per row table: a forward
+        asks once per layer with the same table (held here, so its identity is not reused)."""
+        if self._split is None or self._split[0] is not row_table:
+            is_long = row_table[2] >= self.sdpa_from
+            long = row_table[:, is_long].T.tolist()
+            short = (row_table if not long else None if len(long) == row_table.shape[1]
+                     else row_table[:, ~is_long].contiguous())
+            self._split = (row_table, long, short)
+        return self._split[1], self._split[2]
 
     def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
-                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
+                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None,
+                 check: bool = True) -> torch.Tensor:
         if bits is not None:                              # token trees: verify rows, ours only
-            return self.kernel(query, k_store, v_store, row_table, scale, bits)
-        is_long = row_table[2] >= self.sdpa_from
-        if not bool(is_long.any()):
-            return self.kernel(query, k_store, v_store, row_table, scale)
-        long = row_table[:, is_long].T.tolist()
-        short = row_table[:, ~is_long].contiguous() if not bool(is_long.all()) else None
+            return self.kernel(query, k_store, v_store, row_table, scale, bits, check)
+        long, short = self._rows(row_table)
+        if not long:
+            return self.kernel(query, k_store, v_store, row_table, scale, check=check)
         out = self.kernel(query, k_store, v_store, short, scale) if short is not None else torch.empty_like(query)
         for slot, start, n, first in long:
             q = query[first:first + n].transpose(0, 1).unsqueeze(0)                       # [1, heads, n, dim]

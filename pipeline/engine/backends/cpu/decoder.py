@@ -12,7 +12,8 @@ that "rest" measured 12.3 ms of a 35.9 ms batch-1 step and 15.8 of 50.4 ms for 4
     q = rope(q); store <- rope(k), v        (one pass: fused_ops.c rope_store)
     a = attention(q, store)                 (slot_attention.c, each row its own keys)
     residual += o(a); h = norm(residual)    (one pass)
-    residual += mlp(h)                      (gate/up, silu * up, down: GateUpMLP in fp32; else the module)
+    residual += mlp(h)                      (gate/up, silu * up, down: a GateUpMLP's or the family MLP's calls,
+                                             gate and up as one panel call where both take panels)
 
 Every linear is a PlannedLinear (linear.py): each call runs the kernel its row count is planned for,
 our panel kernel or oneDNN's packed linear (AMX where present) or torch's, so the loop is the same
@@ -45,7 +46,7 @@ from pipeline.engine.kv.store import SlotKVCache
 
 from .attention import CpuAttention
 from .build import choose
-from .fused import FusedOps, GateUpMLP, KernelRMSNorm
+from .fused import FusedOps, GateUpMLP, KernelRMSNorm, gated_mlp_classes
 from .linear import MergedPanels, PlannedLinear, merge_panels
 
 # (transformers module, class prefix: <prefix>ForCausalLM / DecoderLayer / Attention, whether q and k are
@@ -98,9 +99,37 @@ class Layer:
     k_norm: Norm | None
     o_proj: PlannedLinear
     mlp: nn.Module                  # called as a module, unless:
-    gate_up: PlannedLinear | None   # an fp32 GateUpMLP on planned linears: its three kernel calls made here
-    down: PlannedLinear | None
+    gate_up: PlannedLinear | None   # a GateUpMLP on planned linears: its three kernel calls made here
+    down: PlannedLinear | None      # (that, or the gated MLP's below)
+    gated: "GatedMLP | None"        # the family's own MLP on planned linears: its calls made here
     scale: float
+
+
+@dataclass
+class GatedMLP:
+    """A family's own MLP, down(act(gate(x)) * up(x)), as the calls its forward makes; gate and up in one
+    panel call where both are panel-planned alike (their panels side by side: each output column is
+    computed as in its own call, so the numbers are the module's)."""
+    gate: PlannedLinear
+    up: PlannedLinear
+    down: PlannedLinear
+    act: nn.Module
+    gate_up: MergedPanels | None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.gate_up.covers(h.shape[0]):
+            g, u = self.gate_up.run(h)
+        else:
+            g, u = self.gate.run(h), self.up.run(h)
+        return self.down.run(self.act(g) * u)
+
+    @classmethod
+    def of(cls, mlp: nn.Module) -> "GatedMLP | None":
+        """The calls of `mlp` where it is a known family's MLP class (gated_mlp_classes) on planned linears."""
+        if type(mlp) not in gated_mlp_classes() or not all(
+                type(getattr(mlp, n, None)) is PlannedLinear for n in ("gate_proj", "up_proj", "down_proj")):
+            return None
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn, merge_panels([mlp.gate_proj, mlp.up_proj]))
 
 
 def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps | None,
@@ -161,12 +190,13 @@ class CpuDecoder:
                      q_norm=Norm.of(attn.q_norm) if qk_norm else None,
                      k_norm=Norm.of(attn.k_norm) if qk_norm else None,
                      o_proj=attn.o_proj, mlp=mlp, gate_up=mlp.gate_up_proj if planned else None,
-                     down=mlp.down_proj if planned else None, scale=attn.scaling)
+                     down=mlp.down_proj if planned else None, gated=None if planned else GatedMLP.of(mlp),
+                     scale=attn.scaling)
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        if layer.gate_up is None:
-            return layer.mlp(h)
-        return layer.down.run(self.ops.silu_mul(layer.gate_up.run(h)))
+        if layer.gate_up is not None:
+            return layer.down.run(self.ops.silu_mul(layer.gate_up.run(h)))
+        return layer.gated(h) if layer.gated is not None else layer.mlp(h)
 
     @staticmethod
     def _qkv(layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -192,18 +222,19 @@ class CpuDecoder:
         last = len(self.layers) - 1
         h = ops.rms_norm(residual, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)
         for i, layer in enumerate(self.layers):
+            check = i == 0        # the kernels' argument checks: every layer's arguments are alike
             q, k, v = self._qkv(layer, h)
             if layer.q_norm is not None:
                 q, k = self._head_norm(q, layer.q_norm, head_dim), self._head_norm(k, layer.k_norm, head_dim)
-            q = ops.rope_store(q, k, v, cos, sin, lay.row_table, cache.keys[i], cache.values[i])
+            q = ops.rope_store(q, k, v, cos, sin, lay.row_table, cache.keys[i], cache.values[i], check)
             if i == last and logits == "none":
                 return None                   # the rest of the last layer feeds only the logits
-            a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale, bits)
+            a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale, bits, check)
             a = layer.o_proj.run(a.to(self.dtype).view(a.shape[0], -1))
-            h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps)
+            h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps, check)
             m = self._mlp(layer, h)
             norm = self.layers[i + 1].input_norm if i < last else self.final_norm
-            h = ops.add_rms_norm(residual, m, norm.weight, norm.eps)
+            h = ops.add_rms_norm(residual, m, norm.weight, norm.eps, check)
         if logits == "last":
             h = h[lay.row_ends]
         return self.lm_head.run(h) if type(self.lm_head) is PlannedLinear else self.lm_head(h)

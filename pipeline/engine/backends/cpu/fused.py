@@ -110,12 +110,14 @@ class FusedOps:
         return y
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, check: bool = True) -> torch.Tensor:
         """residual += delta (in place), then rms_norm(residual): a decoder layer's residual add and the
-        next norm in one pass. residual and delta [rows, dim] contiguous, weight [dim], one dtype."""
-        if residual.dtype not in DTYPES or delta.dtype != residual.dtype or weight.dtype != residual.dtype \
-                or residual.shape != delta.shape or residual.dim() != 2 or residual.shape[1] != weight.shape[0] \
-                or not residual.is_contiguous():
+        next norm in one pass. residual and delta [rows, dim] contiguous, weight [dim], one dtype.
+        check=False: the caller has made this call's checks on arguments of the same shapes, dtypes
+        and strides (the decoder loop, once per forward for all its layers)."""
+        if check and (residual.dtype not in DTYPES or delta.dtype != residual.dtype or weight.dtype != residual.dtype
+                      or residual.shape != delta.shape or residual.dim() != 2 or residual.shape[1] != weight.shape[0]
+                      or not residual.is_contiguous()):
             raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype}, delta "
                              f"{tuple(delta.shape)} {delta.dtype}, weight {tuple(weight.shape)} {weight.dtype}: "
                              "expected contiguous [rows, dim] twice and [dim], one dtype (fp32 or bf16)")
@@ -128,21 +130,23 @@ class FusedOps:
         return y
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   row_table: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> torch.Tensor:
+                   row_table: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                   check: bool = True) -> torch.Tensor:
         """RoPE on the packed new tokens' queries and keys, and the keys and values written to the slot
         store at each token's slot and position (fused_ops.c says how it rounds). q [tokens, heads *
         dim], k and v [tokens, kv_heads * dim] (rows may be strided: column slices of one qkv
         projection), cos / sin [tokens, dim], all one dtype; row_table [4, rows] int64 (slot, start,
         num_new, first packed token); the stores [slots, kv_heads, cap, dim]. Returns the rotated
-        queries [tokens, heads, dim] in fp32 (the attention kernel's input)."""
+        queries [tokens, heads, dim] in fp32 (the attention kernel's input). check=False: as add_rms_norm's;
+        a row outside the store is still refused (the kernel checks every row)."""
         slots, kv_heads, cap, dim = k_store.shape
         tokens = q.shape[0]
         dtype = q.dtype
-        if dtype not in DTYPES or any(t.dtype != dtype for t in (k, v, cos, sin, k_store, v_store)) \
+        if check and (dtype not in DTYPES or any(t.dtype != dtype for t in (k, v, cos, sin, k_store, v_store)) \
                 or q.shape[1] % dim or k.shape != (tokens, kv_heads * dim) or v.shape != k.shape \
                 or cos.shape != (tokens, dim) or sin.shape != cos.shape or v_store.shape != k_store.shape \
                 or any(t.stride(1) != 1 for t in (q, k, v)) or not all(t.is_contiguous() for t in (
-                    cos, sin, row_table, k_store, v_store)) or row_table.dtype != torch.long:
+                    cos, sin, row_table, k_store, v_store)) or row_table.dtype != torch.long):
             raise ValueError(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
                              f"{tuple(cos.shape)} ({dtype}) do not fit stores {tuple(k_store.shape)} "
                              f"{k_store.dtype}")
@@ -227,6 +231,16 @@ def _is_silu_mlp(module: nn.Module, mlp_classes: tuple[type, ...]) -> bool:
         and module.gate_proj.weight.dtype in DTYPES \
         and (module.gate_proj.bias is None) == (module.up_proj.bias is None) \
         and (module.gate_proj.weight.dtype == torch.float32 or module.gate_proj.out_features % 8 == 0)
+
+
+def gated_mlp_classes() -> tuple[type, ...]:
+    """The families' MLP classes (MLPS), whose forward is down(act(gate(x)) * up(x))."""
+    return _mlp_classes()
+
+
+@lru_cache(maxsize=None)
+def _mlp_classes() -> tuple[type, ...]:
+    return _classes(MLPS)
 
 
 def silu_mlps(model: nn.Module) -> list[nn.Module]:
