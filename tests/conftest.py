@@ -45,6 +45,9 @@ def _missing(marker: str) -> str | None:
     if marker == "avx512_bf16":
         from pipeline.loading.hardware import cpu_flags
         return None if "avx512_bf16" in cpu_flags() else "needs a CPU with avx512_bf16 (the bf16 kernels' instructions)"
+    if marker == "amx_bf16":
+        from pipeline.loading.hardware import cpu_flags
+        return None if "amx_bf16" in cpu_flags() else "needs a CPU with amx_bf16 (the AMX kernel's tiles)"
     if marker == "needs_cc":
         from pipeline.engine.backends.cpu.build import compiler
         return None if compiler() else "needs a C compiler (cc/gcc on PATH) to build our CPU kernels"
@@ -58,8 +61,8 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Markers gpu, avx512_bf16 and needs_cc skip with the reason in the skip summary (-ra)."""
-    reasons = {m: _missing(m) for m in ("gpu", "avx512_bf16", "needs_cc")}
+    """Markers gpu, avx512_bf16, amx_bf16 and needs_cc skip with the reason in the skip summary (-ra)."""
+    reasons = {m: _missing(m) for m in ("gpu", "avx512_bf16", "amx_bf16", "needs_cc")}
     for item in items:
         for marker, reason in reasons.items():
             if reason and item.get_closest_marker(marker):

@@ -20,8 +20,8 @@ from ..backends.cpu.calibrate import (Calibration, MlpPlan, calibrate, calibrate
                                       measuring_alone)
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse, silu_mlps
-from ..backends.cpu.linear import (ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, can_pack, family_weights,
-                                   planned_linears)
+from ..backends.cpu.linear import (AMX, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, amx_kernel,
+                                   amx_unavailable, can_pack, family_weights, planned_linears)
 from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
@@ -146,10 +146,11 @@ class ModelRunner:
         # verifying a few tokens per sequence costs little more than one. Without packed_linear: F.linear.
         self.cpu_linear = chosen.linear
         self.calibration: Calibration | None = None
+        self.amx = None                   # our AMX kernel, where the plan may take it
         plans = self._linear_plans(model, chosen, kernels)
-        self.planned = planned_linears(model, plans, chosen.linear) if plans else 0
+        self.planned = planned_linears(model, plans, chosen.linear, self.amx) if plans else 0
         planned = [m for m in model.modules() if type(m) is PlannedLinear]
-        self.panel_linears = sum(PANEL_KIND in m.plan.kinds for m in planned)
+        self.panel_linears = sum(PANEL_KIND in m.plan.kinds or AMX in m.plan.kinds for m in planned)
         self.packed_linears = sum(ONEDNN in m.plan.kinds for m in planned)
         # Attention through the slot store. Calls without `slot_layout` (e.g. HF generate on the same
         # model object) fall through to SDPA, so the model stays usable elsewhere.
@@ -169,18 +170,24 @@ class ModelRunner:
         if not kernels.packed_linear or self.device.type != "cpu" or not weights:
             return None          # (no nn.Linear left: a model another runner has planned already)
         if kernels.linear_plan is not None:
+            if AMX in kernels.linear_plan.kinds:
+                self.amx = amx_kernel()
             return {f: kernels.linear_plan for f in weights}
         packs = can_pack(self.device, self.dtype)
         if kernels.cpu_linear == "on" or (kernels.cpu_linear == "off" and packs):
             kind = PANEL_KIND if kernels.cpu_linear == "on" else ONEDNN
             return {f: LinearPlan.single(kind) for f in weights}
-        # F.linear only where oneDNN cannot pack: it runs oneDNN's or MKL's kernels on the dense weight
-        kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (ONEDNN, packs), (TORCH, not packs)) if ok)
+        # F.linear only where oneDNN cannot pack: it runs oneDNN's or MKL's kernels on the dense weight;
+        # our AMX kernel where the CPU has AMX tiles and the panel kernel runs (it reads the same panels)
+        if chosen.linear is not None and amx_unavailable(self.device, weights) is None:
+            self.amx = amx_kernel()
+        kinds = tuple(k for k, ok in ((PANEL_KIND, chosen.linear is not None), (AMX, self.amx is not None),
+                                      (ONEDNN, packs), (TORCH, not packs)) if ok)
         if kernels.cpu_linear == "off" or kinds == (TORCH,):
             return None
         shapes = {f: [tuple(w.shape) for w in ws] for f, ws in weights.items()}
         budget = int(free_memory(self.device) * MEMORY_SHARE["cpu"])
-        self.calibration = calibrate(weights, shapes, kinds, chosen.linear).within(budget)
+        self.calibration = calibrate(weights, shapes, kinds, chosen.linear, amx=self.amx).within(budget)
         return self.calibration.plans
 
     def _plan(self, chosen: Backends) -> BackendPlan:

@@ -78,6 +78,14 @@ def test_single_plan_and_the_memory_budget():
     assert "one kernel per family for memory" in tight.describe()
 
 
+def test_the_panel_and_amx_kernels_share_one_copy():
+    """A plan of the panel and AMX kernels reads one copy of the weights (pair panels); adding oneDNN's
+    packed copy costs the family's bytes."""
+    plans = {"qkv": LinearPlan(((4, "panel"), (32, "amx"))), "down": LinearPlan(((4, "panel"), (32, "amx"), (64, "onednn")))}
+    c = cal.Calibration("k", {}, "bfloat16", {}, plans, {}, 1.0, family_bytes={"qkv": 100, "down": 50})
+    assert c.extra_bytes() == 50
+
+
 HOST = {"cpu": "Some CPU", "isa": ["avx2", "fma"], "torch": "2.13.0", "threads": 2}
 SHAPES = {"qkv": [(64, 64)] * 4, "lm_head": [(400, 64)]}
 
@@ -133,7 +141,7 @@ def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
     32 rows: 4.8 ms), not past that; oneDNN at every bucket."""
     import time
 
-    def fake(kind, weight, kernel):
+    def fake(kind, weight, kernel, amx=None):
         cost = (lambda rows: 0.15e-3 * rows) if kind == "panel" else (lambda rows: 1e-3)
 
         def run(x):

@@ -95,6 +95,17 @@ def test_loop_is_bitwise_the_modules(family, dtype, plan):
     _assert_same(loop, modules)
 
 
+@pytest.mark.amx_bf16
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loop_over_the_amx_kernel_is_bitwise_the_modules(family):
+    """bf16 with the AMX kernel in the plan (the steps' 4 and 5 tokens) beside the panel kernel (1-3) and
+    oneDNN (8+): the loop and the modules over the same planned linears compute the same."""
+    plan = LinearPlan(((3, "panel"), (5, "amx"), (18, "onednn")))
+    loop, modules = _pair(_model(family, torch.bfloat16), plan=plan)
+    assert loop.amx is not None and loop.plan.linear == f"planned: {plan.describe()}"
+    _assert_same(loop, modules)
+
+
 def test_loop_matches_hf_forward_within_rounding():
     """Against Hugging Face's own forward (torch's linears, no slot store): a prompt in chunks."""
     model = _model("qwen3", torch.float32)

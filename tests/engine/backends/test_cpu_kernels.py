@@ -123,6 +123,41 @@ def test_bf16_kernel_equals_float64_linear(m, n, k, bias):
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.amx_bf16
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (33, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_kernel_equals_float64_linear(m, n, k, bias):
+    """The AMX kernel over the bf16 pair panels: against float64 as the panel kernel is. Rows: one, a
+    tile less one, a tile, a tile and one (the zero-padded tail), one 64-row block, past it, two blocks
+    and a tail; n: whole and ragged panels; k: one A tile and many."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    amx = cpu_linear.amx_kernel()
+    got = amx(x, amx.layout(w), b, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+
+
+def test_amx_is_offered_for_bf16_weights_with_inputs_a_multiple_of_32():
+    bf16 = lambda n, k: torch.zeros(n, k, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    assert "bf16 weights" in cpu_linear.amx_unavailable(cpu, {"qkv": [torch.zeros(16, 64)]})
+    assert "multiple of 32" in cpu_linear.amx_unavailable(cpu, {"qkv": [bf16(16, 64)], "down": [bf16(64, 40)]})
+    assert "bf16 weights" in cpu_linear.amx_unavailable(torch.device("meta"), {"qkv": [bf16(16, 64)]})
+
+
+@pytest.mark.amx_bf16
+def test_amx_kernel_refuses_inputs_not_a_multiple_of_32():
+    amx = cpu_linear.amx_kernel()
+    w = torch.randn(16, 48).bfloat16()
+    with pytest.raises(ValueError, match="status -2"):
+        amx.unchecked(torch.randn(3, 48).bfloat16(), amx.layout(w), None, 16)
+
+
 @pytest.mark.avx512_bf16
 def test_bf16_panel_linear_and_runner():
     """PanelLinear in bf16 matches torch's bf16 nn.Linear (both round y once); a bf16 model's runner

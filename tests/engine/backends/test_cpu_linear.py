@@ -56,7 +56,7 @@ def test_linear_plan_segments():
     assert plan.describe() == "panel<=4 onednn<=64 torch"
     assert plan.last_rows("panel") == 4 and plan.last_rows("torch") > 10**9
     assert LinearPlan.single("onednn").describe() == "onednn"
-    for bad in ((), ((4, "panel"), (4, "onednn")), ((8, "panel"), (4, "onednn")), ((4, "amx"),)):
+    for bad in ((), ((4, "panel"), (4, "onednn")), ((8, "panel"), (4, "onednn")), ((4, "mkl"),)):
         with pytest.raises(ValueError, match="plan"):
             LinearPlan(bad)
 
@@ -115,3 +115,32 @@ def test_engine_greedy_equals_unpacked_reference(target_model, draft_model, kind
     done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0))
     for i, prompt in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 12), f"prompt {i}"
+
+
+@pytest.mark.amx_bf16
+@pytest.mark.needs_cc
+def test_planned_linear_takes_panels_and_amx_on_one_copy():
+    """A plan of the panel kernel for few rows and the AMX kernel for more dispatches each, both over the
+    one pair-panel copy of the weight; a copy and a pickle load their own kernels and compute the same."""
+    from pipeline.engine.backends.cpu.linear import amx_kernel
+    torch.manual_seed(2)
+    linear = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    plan = LinearPlan(((2, "panel"), (32, "amx"), (64, "onednn")))
+    planned = PlannedLinear(linear, plan, policy("on", torch.device("cpu"), torch.bfloat16), amx_kernel())
+    assert not hasattr(planned, "weight") and "packed_weight" in planned._buffers
+    calls = []
+    for name in ("_run_panels", "_run_amx", "_run_packed"):
+        fn = getattr(planned, name)
+        setattr(planned, name, lambda x, fn=fn, name=name: calls.append(name) or fn(x))
+    planned._bind()
+    for rows, kernel in ((1, "_run_panels"), (3, "_run_amx"), (17, "_run_amx"), (32, "_run_amx"), (40, "_run_packed")):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+        torch.testing.assert_close(planned(x).double(), want, rtol=2 ** -7, atol=1e-2)
+        assert calls.pop() == kernel, rows
+    fresh = PlannedLinear(linear, plan, policy("on", torch.device("cpu"), torch.bfloat16), amx_kernel())
+    for other in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):
+        x = torch.randn(20, 96).to(torch.bfloat16)
+        assert torch.equal(other(x), fresh(x))
+    with pytest.raises(ValueError, match="AMX kernel"):
+        PlannedLinear(linear, plan, policy("on", torch.device("cpu"), torch.bfloat16), None)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from ...core.timing import interleaved
 from .attention import RowAttention
 from .build import cache_dir, cpu_flags
-from .linear import FAMILIES, KINDS, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
+from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
 VERSION = 3                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -164,8 +164,9 @@ class Calibration:
     family_bytes: dict[str, int] = field(default_factory=dict)
 
     def extra_bytes(self) -> int:
-        """Memory the plans' second (and third) copies of weights take."""
-        return sum((len(self.plans[f].kinds) - 1) * self.family_bytes.get(f, 0) for f in self.plans)
+        """Memory the plans' second (and third) copies of weights take (the panel and AMX kernels share one)."""
+        return sum((len({LAYOUT[k] for k in self.plans[f].kinds}) - 1) * self.family_bytes.get(f, 0)
+                   for f in self.plans)
 
     def within(self, budget: int) -> "Calibration":
         """These plans, or one kernel per family where their extra copies exceed `budget` bytes."""
@@ -202,12 +203,14 @@ class Calibration:
                    data["isa"], float(data["seconds"]), cached=True, family_bytes=data.get("family_bytes", {}))
 
 
-def _runner(kind: str, weight: torch.Tensor, kernel: PanelKernel | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def _runner(kind: str, weight: torch.Tensor, kernel: PanelKernel | None,
+            amx: PanelKernel | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """One weight in `kind`'s layout, as x -> x @ weight.T."""
     n = weight.shape[0]
-    if kind == PANEL_KIND:
-        panels = kernel.layout(weight)
-        return lambda x: kernel.unchecked(x, panels, None, n)
+    if kind in (PANEL_KIND, AMX):
+        ours = kernel if kind == PANEL_KIND else amx
+        panels = ours.layout(weight)
+        return lambda x: ours.unchecked(x, panels, None, n)
     if kind == ONEDNN:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -226,7 +229,8 @@ def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
-            buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS) -> dict[str, Timings]:
+            buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS,
+            amx: PanelKernel | None = None) -> dict[str, Timings]:
     """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
     them, scaled by count)."""
     gen = torch.Generator().manual_seed(0)
@@ -236,7 +240,7 @@ def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kern
         scale = len(ws) / len(sample)
         dtype, k = sample[0].dtype, sample[0].shape[1]
         x = (torch.randn(max(buckets), k, generator=gen) * 0.5).to(dtype)
-        fns = {kind: [_runner(kind, w, kernel) for w in sample] for kind in kinds}
+        fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
         times: Timings = {kind: {} for kind in kinds}
         live, last_ratio = list(kinds), {}
         for b in buckets:
@@ -280,6 +284,8 @@ def onednn_implementation(dtype: torch.dtype, rows: int = 64, width: int = 256) 
 def instructions(kind: str, dtype: torch.dtype, host: dict) -> str:
     """The instructions `kind` runs on here, in words."""
     isa = set(host["isa"])
+    if kind == AMX:
+        return "AMX tiles (amx_bf16)"
     if kind == PANEL_KIND:
         if dtype == torch.bfloat16:
             return "avx512_bf16"
@@ -370,7 +376,8 @@ def _row_timings(data: dict) -> dict[int, dict[str, float]]:
 
 
 def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tuple[int, int]]],
-              kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None) -> Calibration:
+              kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None,
+              amx: PanelKernel | None = None) -> Calibration:
     """The plans for a model whose linears are `counts` (family -> (out, in) of each linear, in order)
     and whose dense weights `weights` holds by family: read from `folder` (default: the kernel cache's
     plans/) where this machine measured the same key, else measured now and written there."""
@@ -378,11 +385,12 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
         raise ValueError("no linear kernel to calibrate")
     dtype = next(iter(weights.values()))[0].dtype
     host = machine()
-    key = cache_key(host, dtype, counts, kinds, kernel.build if kernel is not None else None)
+    builds = "+".join(k.build for k in (kernel, amx) if k is not None) or None
+    key = cache_key(host, dtype, counts, kinds, builds)
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
-        timings = measure(weights, kinds, kernel) if len(kinds) > 1 else {
+        timings = measure(weights, kinds, kernel, amx=amx) if len(kinds) > 1 else {
             f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
         seconds = time.perf_counter() - t0
         plans = {f: choose_plan(t) for f, t in timings.items()}

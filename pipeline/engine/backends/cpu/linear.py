@@ -59,6 +59,7 @@ from .build import choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
 SOURCE_BF16 = Path(__file__).parent / "csrc" / "panel_linear_bf16.c"     # CPUs with avx512_bf16
+SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_linear_bf16.c"        # CPUs with amx_bf16: the same panels
 PANEL = 16                                   # outputs per panel (the kernel's NR)
 
 
@@ -121,18 +122,24 @@ class Flavour:
 
 FLAVOURS = {torch.float32: Flavour(SOURCE, "panel_linear_f32", to_panels, "oneDNN / torch linears"),
             torch.bfloat16: Flavour(SOURCE_BF16, "panel_linear_bf16", to_pair_panels, "oneDNN's bf16 linears")}
+# AMX tiles over the bf16 pair panels (csrc/amx_linear_bf16.c): K a multiple of AMX_K
+AMX_FLAVOUR = Flavour(SOURCE_AMX, "amx_linear_bf16", to_pair_panels, "the plan without it")
+AMX_K = 32
 
 
 class PanelKernel:
     """A loaded panel kernel, fp32 (panel_linear.c) or bf16 (panel_linear_bf16.c).
     `kernel(x, kernel.layout(w), bias, n)` is `F.linear(x, w, bias)` for x [M, K] in its dtype."""
 
-    def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32, flavour: Flavour | None = None):
+        self.flavour = flavour = flavour or FLAVOURS[dtype]
         self.dtype = dtype
-        self.layout = FLAVOURS[dtype].layout
+        self.layout = flavour.layout
         self.build = path.stem                          # the source's, compiler's and CPU's build (build.py)
         self._lib = ctypes.CDLL(str(path))
-        fn = getattr(self._lib, FLAVOURS[dtype].function)
+        if flavour is AMX_FLAVOUR and self._lib.amx_enable() != 0:
+            raise RuntimeError("the kernel may not use AMX tiles here (arch_prctl ARCH_REQ_XCOMP_PERM refused)")
+        fn = getattr(self._lib, flavour.function)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -142,6 +149,8 @@ class PanelKernel:
         return self
 
     def __reduce__(self):                               # another process loads (or builds) its own
+        if self.flavour is AMX_FLAVOUR:
+            return amx_kernel, ()
         return _loaded, (str(self.dtype).removeprefix("torch."),)
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -160,8 +169,11 @@ class PanelKernel:
         m = x.shape[0]
         y = x.new_empty((m, n))
         if m:
-            self._fn(x.data_ptr(), m, x.shape[1], panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), n, torch.get_num_threads())
+            status = self._fn(x.data_ptr(), m, x.shape[1], panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), n, torch.get_num_threads())
+            if status:
+                raise (MemoryError if status == -1 else ValueError)(f"{self.flavour.function}: status {status} for x "
+                                                                    f"{tuple(x.shape)}")
         return y
 
 
@@ -226,6 +238,41 @@ def _loaded(dtype: str = "float32") -> PanelKernel:
     return policy("on", torch.device("cpu"), getattr(torch, dtype))
 
 
+AMX_CHECK_CASES = ((1, 40, 64, True), (5, 16, 32, False), (37, 33, 96, True), (70, 24, 1024, False))
+
+
+def _amx_self_check(kernel: PanelKernel) -> None:
+    """As _self_check, over cases with K a multiple of AMX_K: one row, rows past one block of 64 and a
+    ragged last tile, N not a multiple of the panel, with and without bias."""
+    err = check_against_float64(kernel, AMX_CHECK_CASES)
+    if not err < TOLERANCE[torch.bfloat16]:
+        raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
+
+
+@lru_cache(maxsize=None)
+def _load_amx() -> tuple[PanelKernel | None, str | None]:
+    return load_checked(SOURCE_AMX, lambda path: PanelKernel(path, torch.bfloat16, AMX_FLAVOUR), _amx_self_check,
+                        AMX_FLAVOUR.instead)
+
+
+def amx_kernel() -> PanelKernel:
+    loaded, reason = _load_amx()
+    if loaded is None:
+        raise RuntimeError(f"AMX linear kernel unavailable: {reason}")
+    return loaded
+
+
+def amx_unavailable(device: torch.device, weights: dict[str, list[torch.Tensor]]) -> str | None:
+    """Why a runner cannot offer the AMX kernel for these weights (family -> [out, in] weights), else None:
+    CPUs with amx_bf16, bf16 weights whose inputs are multiples of AMX_K. Builds and checks it on first call."""
+    ws = [w for family in weights.values() for w in family]
+    if torch.device(device).type != "cpu" or not ws or any(w.dtype != torch.bfloat16 for w in ws):
+        return "the AMX kernel is for bf16 weights on CPUs"
+    if any(w.shape[1] % AMX_K for w in ws):
+        return f"some linear's inputs are not a multiple of {AMX_K}"
+    return _load_amx()[1]
+
+
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why a runner with this device and weight dtype cannot use the panel kernel, else None.
     Builds (or finds) and checks the kernel on first call."""
@@ -269,8 +316,9 @@ def pack_linears(model: nn.Module) -> int:
     return _swap_linears(model, PackedLinear)
 
 
-PANEL_KIND, ONEDNN, TORCH = "panel", "onednn", "torch"
-KINDS = (PANEL_KIND, ONEDNN, TORCH)     # our panel kernel | oneDNN's packed linear | torch's F.linear
+PANEL_KIND, AMX, ONEDNN, TORCH = "panel", "amx", "onednn", "torch"
+KINDS = (PANEL_KIND, AMX, ONEDNN, TORCH)   # our panel kernel | ours by AMX tiles | oneDNN's packed linear | F.linear
+LAYOUT = {PANEL_KIND: "panels", AMX: "panels", ONEDNN: "onednn", TORCH: "dense"}    # the weight copy each reads
 
 
 @dataclass(frozen=True)
@@ -326,17 +374,22 @@ class PlannedLinear(nn.Module):
     weight, the dense weight), each call run by the kernel its row count is planned for. The same
     inputs give each kernel's own numbers (rounding-level apart, like any two linear kernels)."""
 
-    def __init__(self, linear: nn.Linear, plan: LinearPlan, kernel: PanelKernel | None = None):
+    def __init__(self, linear: nn.Linear, plan: LinearPlan, kernel: PanelKernel | None = None,
+                 amx: PanelKernel | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
         weight = linear.weight.detach()
         self.weight_dtype = weight.dtype
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
-        if PANEL_KIND in plan.kinds:
-            if kernel is None or weight.dtype != kernel.dtype:
-                raise ValueError(f"panel linear: a {weight.dtype} weight needs a {weight.dtype} panel kernel")
-            self.register_buffer("panels", kernel.layout(weight), persistent=False)
+        if AMX in plan.kinds:
+            if amx is None or weight.dtype != torch.bfloat16 or self.in_features % AMX_K:
+                raise ValueError(f"amx linear: needs the AMX kernel, a bf16 weight and inputs a multiple of {AMX_K}")
+            self._amx = amx
+        if PANEL_KIND in plan.kinds and (kernel is None or weight.dtype != kernel.dtype):
+            raise ValueError(f"panel linear: a {weight.dtype} weight needs a {weight.dtype} panel kernel")
+        if PANEL_KIND in plan.kinds or AMX in plan.kinds:        # one copy in pair panels serves both
+            self.register_buffer("panels", (kernel or amx).layout(weight), persistent=False)
             self._kernel = kernel
         if ONEDNN in plan.kinds:
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
@@ -345,7 +398,7 @@ class PlannedLinear(nn.Module):
         self._bind()
 
     def _bind(self) -> None:
-        runs = {PANEL_KIND: self._run_panels, ONEDNN: self._run_packed, TORCH: self._run_dense}
+        runs = {PANEL_KIND: self._run_panels, AMX: self._run_amx, ONEDNN: self._run_packed, TORCH: self._run_dense}
         self._limits = [last for last, _ in self.plan.segments[:-1]]
         self._runs = [runs[kind] for _, kind in self.plan.segments]
 
@@ -365,6 +418,9 @@ class PlannedLinear(nn.Module):
 
     def _run_panels(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel.unchecked(x, self.panels, self.bias, self.out_features)
+
+    def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
+        return self._amx.unchecked(x, self.panels, self.bias, self.out_features)
 
     def _run_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -448,7 +504,8 @@ def family_weights(model: nn.Module) -> dict[str, list[torch.Tensor]]:
     return weights
 
 
-def planned_linears(model: nn.Module, plans: dict[str, LinearPlan], kernel: PanelKernel | None) -> int:
+def planned_linears(model: nn.Module, plans: dict[str, LinearPlan], kernel: PanelKernel | None,
+                    amx: PanelKernel | None = None) -> int:
     """Replace every `nn.Linear` of `model` by a PlannedLinear under its family's plan, in place."""
     names = {id(module): name for name, module in model.named_modules() if type(module) is nn.Linear}
-    return _swap_linears(model, lambda linear: PlannedLinear(linear, plans[family(names[id(linear)])], kernel))
+    return _swap_linears(model, lambda linear: PlannedLinear(linear, plans[family(names[id(linear)])], kernel, amx))
