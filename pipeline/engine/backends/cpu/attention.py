@@ -101,17 +101,20 @@ class RowAttention:
 
     def __init__(self, kernel: CpuAttention, sdpa_from: int):
         self.kernel, self.sdpa_from = kernel, sdpa_from
-        self._split: tuple[torch.Tensor, list[list[int]], torch.Tensor | None] | None = None
+        self._split: tuple[torch.Tensor, list[tuple], torch.Tensor | None] | None = None
 
     def __deepcopy__(self, memo):                       # a shared kernel; the split is rebuilt per table
         return RowAttention(self.kernel, self.sdpa_from)
 
-    def _rows(self, row_table: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None]:
-        """(the long rows as lists, the short rows' table or None), made once per row table: a forward
-        asks once per layer with the same table (held here, so its identity is not reused)."""
+    def _rows(self, row_table: torch.Tensor) -> tuple[list[tuple], torch.Tensor | None]:
+        """(the long rows as (slot, start, n, first, mask), the short rows' table or None), made once per row
+        table: a forward asks once per layer with the same table (held here, so its identity is not
+        reused). mask: a row continuing its prompt (start > 0) sees its earlier keys and its own causally."""
         if self._split is None or self._split[0] is not row_table:
             is_long = row_table[2] >= self.sdpa_from
-            long = row_table[:, is_long].T.tolist()
+            long = [(slot, start, n, first,
+                     None if start == 0 else torch.ones(n, start + n, dtype=torch.bool).tril(start))
+                    for slot, start, n, first in row_table[:, is_long].T.tolist()]
             short = (row_table if not long else None if len(long) == row_table.shape[1]
                      else row_table[:, ~is_long].contiguous())
             self._split = (row_table, long, short)
@@ -126,12 +129,11 @@ class RowAttention:
         if not long:
             return self.kernel(query, k_store, v_store, row_table, scale, check=check)
         out = self.kernel(query, k_store, v_store, short, scale) if short is not None else torch.empty_like(query)
-        for slot, start, n, first in long:
+        for slot, start, n, first, mask in long:
             q = query[first:first + n].transpose(0, 1).unsqueeze(0)                       # [1, heads, n, dim]
             k, v = k_store[slot, :, :start + n].unsqueeze(0), v_store[slot, :, :start + n].unsqueeze(0)
             if q.dtype != k.dtype:
                 q = q.to(k.dtype)
-            mask = None if start == 0 else torch.ones(n, start + n, dtype=torch.bool).tril(start)
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0,
                                                                  scale=scale, enable_gqa=True)
             out[first:first + n] = a[0].transpose(0, 1).to(out.dtype)
