@@ -309,8 +309,8 @@ class SpecEngine:
                 with Stopwatch() as catch_up:
                     lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
                 catch_up_s = catch_up.s if num_prefilled else 0.0
-            # No device sync here: a model drafter reads its tokens back per draft step anyway, and the
-            # verify phase's time runs to the step's one readback (_verify).
+            # No device sync here: a model drafter reads its proposal back at its end anyway (each draft
+            # step under a grammar), and the verify phase's time runs to the step's one readback (_verify).
             generators = [s.rng.draft for s in batch]
             walk = None
             if any(s.guide is not None for s in batch):

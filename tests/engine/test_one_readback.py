@@ -5,7 +5,8 @@ without its output size). On a GPU each of these waits for the device; the step'
 VerifyOutput.to_host. Uniforms drawn from a sequence's own CPU generator are host data, not reads.
 
 What still reads back, and is counted so that it cannot grow unseen: a draft model's proposal reads its
-tokens once per draft step (the next draft step's input). The sampled walk over a token tree makes a fixed
+tokens once per round (each draft step's input comes from the device; penalty counts are updated there),
+once per draft step under a grammar (which advances on the host). The sampled walk over a token tree makes a fixed
 number of tries on a GPU (core/verify_rule.py's FIXED_WALK) and reads nothing; on a CPU it walks only the
 rows still going and reads whether any is, once per try.
 
@@ -15,6 +16,7 @@ for verify steps and the eager path for prompt chunks, as on a GPU; prompts arri
 from __future__ import annotations
 
 import collections
+import copy
 import traceback
 import weakref
 
@@ -146,14 +148,17 @@ def test_a_step_reads_the_device_back_once(models, kind, params, tree):
         assert _only_the_readback(counts), dict(counts)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", ["draft", "hybrid"])
-def test_a_draft_model_reads_its_tokens_once_per_draft_step(models, kind):
+def test_a_draft_model_reads_its_proposal_once(models, kind, params):
+    """Each draft step's input is the previous step's token on the device (sampled rows: with penalties,
+    counted on the device): one read for all the round's draft tokens, g = 4 steps."""
     drafted = 0
-    for counts in _run(models, kind, SAMPLED):
-        draft_steps, rest = _split(counts, "drafting/draft_model.py")
+    for counts in _run(models, kind, params):
+        draft_reads, rest = _split(counts, "drafting/draft_model.py")
         assert _only_the_readback(rest), dict(rest)
-        assert set(name for name, _ in draft_steps) <= {"tolist"} and sum(draft_steps.values()) <= 4   # g = 4
-        drafted += sum(draft_steps.values())
+        assert set(name for name, _ in draft_reads) <= {"tolist"} and sum(draft_reads.values()) <= 1, dict(draft_reads)
+        drafted += sum(draft_reads.values())
     assert drafted > 0
 
 
@@ -187,3 +192,26 @@ def test_the_counter_sees_a_read_and_a_value_shaped_op():
     names = collections.Counter(name for name, _ in counts.elements())
     assert names["tolist"] == 1 and names["__int__"] == 1 and names["aten.nonzero"] == 1
     assert names["aten.index"] == 1
+
+
+@pytest.mark.parametrize("switches", [dict(), dict(cpu_attention="off"),
+                                      dict(cpu_attention="off", cuda_graphs=UNCAPTURED)],
+                         ids=["cpu-loop", "modules", "graph-path"])
+def test_last_tokens_on_the_device_compute_what_the_host_tokens_do(models, switches):
+    """ModelRunner.forward's last_tokens (a draft model's next inputs, never read back): each row's last
+    token taken from the device gives bitwise the logits and KV of passing it in the row's list."""
+    from pipeline.engine.model.runner import build_runner
+    target, _ = models
+    runners = [build_runner(copy.deepcopy(target), 4, 64, **switches) for _ in range(2)]
+    prompts = [[5, 9, 2, 7], [3, 3], [11, 4, 8]]
+    for runner in runners:
+        runner.forward([0, 1, 2], [0] * 3, [p[:-1] for p in prompts], logits="none")
+    starts = [len(p) - 1 for p in prompts]
+    want = runners[0].forward([0, 1, 2], starts, [p[-1:] for p in prompts], logits="last")
+    got = runners[1].forward([0, 1, 2], starts, [[0]] * 3, logits="last",
+                             last_tokens=torch.tensor([p[-1] for p in prompts]))
+    assert torch.equal(got, want)
+    assert "cuda_graphs" not in switches or runners[1].graphs.num_replays > 0
+    for name in ("keys", "values"):
+        for a, b in zip(getattr(runners[0].cache, name), getattr(runners[1].cache, name)):
+            assert torch.equal(a, b)

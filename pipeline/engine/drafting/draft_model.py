@@ -13,7 +13,7 @@ import torch
 
 from ..core.prefix import Reuse
 from ..core.request import Sequence
-from ..core.sampling import row_probs
+from ..core.sampling import RowParams, greedy_tokens, penalty_counts, processed_probs, row_probs
 from ..core.verify import sample_from_probs
 from ..grammar.walk import GuideView
 from ..model.prefill import Chunk, forward_history
@@ -122,9 +122,13 @@ class DraftModelDrafter:
                 generators: list[torch.Generator], guide: GuideView | None = None) -> DraftBatch:
         """With a guide, seqs[b]'s draft starts after its forced tokens guide.ahead(b) (fed to the
         draft model like drafted ones) and each step's q is masked by the grammar at that position:
-        q is then the draft's distribution restricted to what the grammar allows, as p will be."""
+        q is then the draft's distribution restricted to what the grammar allows, as p will be. The
+        grammar advances on the host, so a guided proposal reads each step's tokens back; without one
+        the tokens stay on the device from step to step and the proposal reads them back once."""
         # Token only (one-hot q, never stored) for the greedy method or an all-greedy batch.
         token_only = self.sample_method == "greedy" or all(s.params.is_greedy for s in seqs)
+        if guide is None:
+            return self._propose_on_device(seqs, lengths, generators, token_only)
         ahead = [list(guide.ahead(b)) if guide else [] for b in range(len(seqs))]
         proposals: list[list[int]] = [list(a) for a in ahead]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -140,6 +144,58 @@ class DraftModelDrafter:
         own = [p[len(a):] for p, a in zip(proposals, ahead)]
         flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
         return DraftBatch.from_lists(own, self.runner.device, flat_probs)
+
+    def _propose_on_device(self, seqs: list[Sequence], lengths: list[int], generators: list[torch.Generator],
+                           token_only: bool) -> DraftBatch:
+        """The proposal without a grammar: step 1 feeds each row's committed tokens the draft has no KV for,
+        each later step the row's previous draft token straight from the device (ModelRunner.forward's
+        last_tokens); penalty counts start from the committed history and count each drawn token on the
+        device. The same draws as one step at a time with the tokens read back (the same inputs, q and
+        uniforms); the tokens of every step are read back once, at the end."""
+        device = self.runner.device
+        penalties = any(s.params.has_penalties for s in seqs)
+        counts = penalty_counts(seqs, [[] for _ in seqs], self.runner.vocab_size, device) if penalties else None
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        drawn: list[tuple[list[int], torch.Tensor]] = []      # per step: its rows (indices into seqs), their tokens
+        for step in range(max(lengths, default=0)):
+            active = [b for b, g in enumerate(lengths) if g > step]
+            rows = [seqs[b] for b in active]
+            starts = [self.num_computed(seq) for seq in rows]
+            if step == 0:
+                inputs, last = [seq.all_ids()[start:] for seq, start in zip(rows, starts)], None
+                for seq in rows:
+                    self._computed[seq] = seq.num_tokens
+            else:
+                before, earlier = drawn[-1]
+                where = {b: i for i, b in enumerate(before)}
+                pick = torch.tensor([where[b] for b in active], dtype=torch.long, device=device)
+                last = earlier.index_select(0, pick)
+                inputs = [[0]] * len(rows)                     # placeholders for `last`
+                for seq in rows:
+                    self._computed[seq] += 1
+            logits = self.runner.forward([seq.slot for seq in rows], starts, inputs, logits="last", last_tokens=last)
+            rp = RowParams.from_params([seq.params for seq in rows], device)
+            index = torch.tensor(active, dtype=torch.long, device=device) if penalties else None
+            row_counts = tuple(c.index_select(0, index) for c in counts) if penalties else (None, None)
+            if token_only:
+                tokens = greedy_tokens(logits, rp, *row_counts)
+            else:
+                q = processed_probs(logits, rp, *row_counts)
+                tokens = sample_from_probs(q, _uniforms([generators[b] for b in active], device))
+                for i, b in enumerate(active):
+                    probs[b].append(q[i])
+            if penalties:
+                counts[0].index_put_((index, tokens), torch.ones(len(active), device=device), accumulate=True)
+            drawn.append((active, tokens))
+        flat = torch.cat([tokens for _, tokens in drawn]).tolist() if drawn else []   # the proposal's one read
+        proposals: list[list[int]] = [[] for _ in seqs]
+        at = 0
+        for active, _ in drawn:
+            for b in active:
+                proposals[b].append(flat[at])
+                at += 1
+        flat_probs = None if token_only or not any(probs) else torch.cat([torch.stack(p) for p in probs if p])
+        return DraftBatch.from_lists(proposals, device, flat_probs)
 
     def _draft_step(self, seqs: list[Sequence], proposals: list[list[int]], probs: list[list],
                     generators: list[torch.Generator], token_only: bool,

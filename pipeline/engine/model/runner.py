@@ -208,12 +208,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
-                logits: str = "all", parents: list[list[int] | None] | None = None) -> torch.Tensor | None:
+                logits: str = "all", parents: list[list[int] | None] | None = None,
+                last_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Compute KV for tokens[b] at positions starts[b]... of slot slots[b]. Returns float logits for
         every real token in row order ([sum(len), vocab]), for the last token of each row
         ([rows, vocab]), or None (logits="none": prefill). parents[b]: row b is a token tree, its
         first token the root and the rest draft tokens with these parents (core/tree.py: RoPE at
-        start + depth, each token attending to its ancestors only); then `move_path` keeps one path."""
+        start + depth, each token attending to its ancestors only); then `move_path` keeps one path.
+        last_tokens: [rows] int64 on the device, each row's last token in place of tokens[b][-1] (a
+        placeholder): a draft model's next input, which the host has not read back."""
         num_new = [len(t) for t in tokens]
         kernel = self.cpu_attention
         if parents is not None and all(p is None or is_chain(p) for p in parents):
@@ -221,17 +224,21 @@ class ModelRunner:
         bucket = (self.graphs.bucket(starts, num_new, logits, tree=parents is not None)
                   if self.graphs is not None else None)
         if bucket is not None:
-            out = self.graphs.forward(bucket, slots, starts, tokens, parents)
+            out = self.graphs.forward(bucket, slots, starts, tokens, parents, last_tokens)
             self.num_forward_tokens += sum(num_new)
             return out.float()
         if self.decoder is not None:
-            out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, kernel=kernel,
-                                                   parents=parents), logits)
+            layout = make_layout(slots, starts, tokens, self.device, kernel=kernel, parents=parents)
+            if last_tokens is not None:
+                layout.input_ids[0].index_copy_(0, layout.row_ends, last_tokens)
+            out = self.decoder.forward(layout, logits)
             self.num_forward_tokens += sum(num_new)
             return None if out is None else out.float()
         flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
             [s + n for s, n in zip(starts, num_new)], self.device)))
         layout = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents)
+        if last_tokens is not None:
+            layout.input_ids[0].index_copy_(0, layout.row_ends, last_tokens)
         if flex:
             layout.flex = block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
                                        layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)

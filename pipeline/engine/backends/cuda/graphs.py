@@ -184,10 +184,12 @@ class StepGraphs:
         return Bucket(rows, q, keys, logits, tree)
 
     def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
-                parents: list[list[int] | None] | None = None) -> torch.Tensor:
+                parents: list[list[int] | None] | None = None,
+                last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the step (as the eager forward returns them: every real token in row order for
         "all", each real row's last token for "last"), from the bucket's graph. parents: the rows'
-        token trees (kv/layout.py's make_layout), for a tree bucket."""
+        token trees (kv/layout.py's make_layout), for a tree bucket. last_tokens: [rows] on the device,
+        each row's last token in place of tokens[b][-1] (ModelRunner.forward)."""
         state = self._states.get(bucket)
         if state is None:
             state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
@@ -214,6 +216,8 @@ class StepGraphs:
         fixed = state.buffer.numel()
         state.buffer.copy_(staged[:fixed])
         real_idx = staged[fixed:]
+        if last_tokens is not None:                  # the ids lead the buffer: row b's last at b * q + n_b - 1
+            state.buffer.index_copy_(0, state.layout.row_ends[:len(tokens)].clone(), last_tokens)
         self.num_replays += 1
         if self.capture is None:
             self._run(state)
