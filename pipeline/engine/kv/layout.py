@@ -98,13 +98,14 @@ class StepLayout:
 
 def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], device: torch.device,
                 flex: bool = False, kernel: Callable | None = None,
-                parents: list[list[int] | None] | None = None) -> StepLayout:
+                parents: list[list[int] | None] | None = None, last_tokens: torch.Tensor | None = None) -> StepLayout:
     """The layout for rows of new tokens tokens[b] at positions starts[b]... in slots[b], built on
     the host as plain ints and copied to the device in one transfer (a GPU step is otherwise a string
     of tiny copies). flex: attention takes the FlexAttention path (the runner then sets the block
     tables); kernel: a kernel that attends instead of the padded path (at most one of the two).
     parents[b]: row b is a token tree, tokens[b] its root and then its draft tokens with these
-    parents (core/tree.py); None (or parents None): a single causal run."""
+    parents (core/tree.py); None (or parents None): a single causal run. last_tokens: [rows] on the
+    device, each row's last token in place of tokens[b][-1] (a placeholder the host never read back)."""
     if parents is not None and all(p is None or is_chain(p) for p in parents):
         parents = None
     num_new = [len(t) for t in tokens]
@@ -136,6 +137,8 @@ def make_layout(slots: list[int], starts: list[int], tokens: list[list[int]], de
                                     + ([batch * max_q] * 2 + [num_tokens] * 2 if parents is not None else []))
     split_t, tree_t = (more[:4], more[4:]) if split else ([], more)
     row_table = row_table.view(4, batch)
+    if last_tokens is not None:
+        input_ids.index_copy_(0, ends_t, last_tokens)
     contiguous = slots == list(range(slots[0], slots[0] + batch))
     return StepLayout(
         input_ids=input_ids.unsqueeze(0), slots=row_table[0], row_table=row_table, row_ends=ends_t,

@@ -228,17 +228,14 @@ class ModelRunner:
             self.num_forward_tokens += sum(num_new)
             return out.float()
         if self.decoder is not None:
-            layout = make_layout(slots, starts, tokens, self.device, kernel=kernel, parents=parents)
-            if last_tokens is not None:
-                layout.input_ids[0].index_copy_(0, layout.row_ends, last_tokens)
-            out = self.decoder.forward(layout, logits)
+            out = self.decoder.forward(make_layout(slots, starts, tokens, self.device, kernel=kernel,
+                                                   parents=parents, last_tokens=last_tokens), logits)
             self.num_forward_tokens += sum(num_new)
             return None if out is None else out.float()
         flex = kernel is None and (self.flex == "always" or (self.flex == "cheaper" and prefer_flex(
             [s + n for s, n in zip(starts, num_new)], self.device)))
-        layout = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents)
-        if last_tokens is not None:
-            layout.input_ids[0].index_copy_(0, layout.row_ends, last_tokens)
+        layout = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents,
+                             last_tokens=last_tokens)
         if flex:
             layout.flex = block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
                                        layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)

@@ -233,19 +233,15 @@ def _is_silu_mlp(module: nn.Module, mlp_classes: tuple[type, ...]) -> bool:
         and (module.gate_proj.weight.dtype == torch.float32 or module.gate_proj.out_features % 8 == 0)
 
 
+@lru_cache(maxsize=None)
 def gated_mlp_classes() -> tuple[type, ...]:
     """The families' MLP classes (MLPS), whose forward is down(act(gate(x)) * up(x))."""
-    return _mlp_classes()
-
-
-@lru_cache(maxsize=None)
-def _mlp_classes() -> tuple[type, ...]:
     return _classes(MLPS)
 
 
 def silu_mlps(model: nn.Module) -> list[nn.Module]:
     """The model's MLPs that `fuse` can merge."""
-    mlp_classes = _classes(MLPS)
+    mlp_classes = gated_mlp_classes()
     return [m for m in model.modules() if _is_silu_mlp(m, mlp_classes)]
 
 
@@ -254,7 +250,7 @@ def fuse(model: nn.Module, ops: FusedOps, merge_mlps: bool = True) -> tuple[int,
     """Replace the model's RMSNorms and (merge_mlps) SiLU MLPs of known families (NORMS, MLPS) in
     place by KernelRMSNorm / GateUpMLP. Returns (norms, mlps) replaced. Call before the linears are
     swapped for a kernel's (the new gate/up linear is a plain nn.Linear)."""
-    norm_classes, mlp_classes = _classes(NORMS), _classes(MLPS)
+    norm_classes, mlp_classes = _classes(NORMS), gated_mlp_classes()
     swaps = []
     for name, module in model.named_modules():
         if type(module) in norm_classes:

@@ -220,10 +220,10 @@ def check_against_float64(kernel: PanelKernel, cases=SELF_CHECK_CASES, seed: int
     return worst
 
 
-def _self_check(kernel: PanelKernel) -> None:
+def _self_check(kernel: PanelKernel, cases=SELF_CHECK_CASES) -> None:
     """Ragged M (1 row, one tile, tiles + a remainder), N not a multiple of the panel, odd K, with and
     without bias: within TOLERANCE of float64 `F.linear`."""
-    err = check_against_float64(kernel)
+    err = check_against_float64(kernel, cases)
     if not err < TOLERANCE[kernel.dtype]:
         raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
 
@@ -238,21 +238,15 @@ def _loaded(dtype: str = "float32") -> PanelKernel:
     return policy("on", torch.device("cpu"), getattr(torch, dtype))
 
 
+# _self_check's cases with K a multiple of AMX_K: one row, rows past one block of 64 and a ragged last tile,
+# N not a multiple of the panel, with and without bias
 AMX_CHECK_CASES = ((1, 40, 64, True), (5, 16, 32, False), (37, 33, 96, True), (70, 24, 1024, False))
-
-
-def _amx_self_check(kernel: PanelKernel) -> None:
-    """As _self_check, over cases with K a multiple of AMX_K: one row, rows past one block of 64 and a
-    ragged last tile, N not a multiple of the panel, with and without bias."""
-    err = check_against_float64(kernel, AMX_CHECK_CASES)
-    if not err < TOLERANCE[torch.bfloat16]:
-        raise RuntimeError(f"self-check failed: relative difference {err:.2e} from float64 F.linear")
 
 
 @lru_cache(maxsize=None)
 def _load_amx() -> tuple[PanelKernel | None, str | None]:
-    return load_checked(SOURCE_AMX, lambda path: PanelKernel(path, torch.bfloat16, AMX_FLAVOUR), _amx_self_check,
-                        AMX_FLAVOUR.instead)
+    return load_checked(SOURCE_AMX, lambda path: PanelKernel(path, torch.bfloat16, AMX_FLAVOUR),
+                        lambda kernel: _self_check(kernel, AMX_CHECK_CASES), AMX_FLAVOUR.instead)
 
 
 def amx_kernel() -> PanelKernel:

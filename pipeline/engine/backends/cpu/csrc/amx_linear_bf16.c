@@ -107,7 +107,7 @@ static void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy, int n
 int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels, const uint16_t *bias,
                     uint16_t *y, int64_t N, int num_threads) {
     if (K % TK != 0) return -2;
-    int64_t k = K, steps = K / TK, num_panels = (N + NR - 1) / NR, panel_size = K / 2 * 2 * NR;
+    int64_t steps = K / TK, num_panels = (N + NR - 1) / NR, panel_size = K / 2 * 2 * NR;
     int64_t full = M / TM * TM;                            /* rows read in place; the rest from `tail` */
     uint16_t *tail = NULL;
     if (full < M) {
