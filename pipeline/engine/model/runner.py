@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from ..backends.cpu.attention import RowAttention
+from ..backends.cpu.attention import RowAttention, amx_kernel as amx_attention
+from ..backends.cpu.attention import amx_unavailable as amx_attention_unavailable
 from ..backends.cpu.calibrate import (Calibration, MlpPlan, calibrate, calibrate_attention, calibrate_mlp,
                                       measuring_alone)
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
@@ -68,13 +69,16 @@ class ModelRunner:
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
         # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
         self.flex, self.cpu_attention = chosen.flex, chosen.attention
-        # auto: prompt rows long enough go to torch's flash attention where that measured faster here
+        # auto: rows of many new tokens go to our AMX kernel or torch's flash attention where that measured
+        # faster here
         self.attention_plan = None
         if self.cpu_attention is not None and kernels.cpu_attention == "auto":
-            self.attention_plan = calibrate_attention(self.cpu_attention, cfg.num_attention_heads,
-                                                      cfg.num_key_value_heads, head_size, self.dtype)
-            if self.attention_plan.sdpa_from is not None:
-                self.cpu_attention = RowAttention(self.cpu_attention, self.attention_plan.sdpa_from)
+            amx = amx_attention() if amx_attention_unavailable(self.device, self.dtype, head_size) is None else None
+            self.attention_plan = plan = calibrate_attention(self.cpu_attention, cfg.num_attention_heads,
+                                                             cfg.num_key_value_heads, head_size, self.dtype, amx=amx)
+            if plan.long_from is not None:
+                self.cpu_attention = RowAttention(self.cpu_attention, plan.long_from,
+                                                  amx if plan.long_kind == "amx" else None)
         # CUDA graphs: their pad rows and tokens need one spare slot and a few positions past max_model_len
         store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len

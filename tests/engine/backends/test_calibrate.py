@@ -215,36 +215,46 @@ def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
     assert cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path / "plans").cached
 
 
-# Recorded: one prompt row of SmolLM2's attention (9 heads, 3 KV heads, 64 dims), ms, 2 threads, Intel Xeon with AMX
-AMX_ATTENTION = {"bfloat16": {16: {"kernel": 0.04, "sdpa": 0.05}, 64: {"kernel": 0.149, "sdpa": 0.127},
-                              256: {"kernel": 1.19, "sdpa": 0.523}, 512: {"kernel": 4.02, "sdpa": 1.66}},
+# Recorded: SmolLM2's attention (9 heads, 3 KV heads, 64 dims), ms, 2 threads, Intel Xeon with AMX: one
+# prompt row of 16-512 new tokens from 0, and 64 / n rows of n = 2-8 new tokens at 256 (measure_attention)
+AMX_ATTENTION = {"bfloat16": {2: {"kernel": 0.64, "sdpa": 4.44, "amx": 0.47}, 4: {"kernel": 0.69, "sdpa": 2.57, "amx": 0.28},
+                              8: {"kernel": 0.63, "sdpa": 1.54, "amx": 0.22}, 16: {"kernel": 0.05, "sdpa": 0.1, "amx": 0.04},
+                              64: {"kernel": 0.15, "sdpa": 0.2, "amx": 0.07}, 256: {"kernel": 1.15, "sdpa": 0.68, "amx": 0.29},
+                              512: {"kernel": 3.78, "sdpa": 1.99, "amx": 0.81}},
                  "float32": {16: {"kernel": 0.03, "sdpa": 0.05}, 64: {"kernel": 0.090, "sdpa": 0.131},
                              256: {"kernel": 1.04, "sdpa": 1.24}, 512: {"kernel": 3.61, "sdpa": 4.19}}}
+WITHOUT_AMX = {n: {k: t[k] for k in ("kernel", "sdpa")} for n, t in AMX_ATTENTION["bfloat16"].items()}
 
 
-def test_where_prompt_rows_take_sdpa():
-    assert cal.choose_sdpa_from(AMX_ATTENTION["bfloat16"]) == 64
-    assert cal.choose_sdpa_from(AMX_ATTENTION["float32"]) is None
+def test_where_rows_leave_our_kernel():
+    assert cal.choose_long(AMX_ATTENTION["bfloat16"]) == ("amx", 2)
+    assert cal.choose_long(WITHOUT_AMX) == ("sdpa", 256)
+    assert cal.choose_long(AMX_ATTENTION["float32"]) == (None, None)
     # faster only at one middle length: not chosen (the longest rows would lose)
-    assert cal.choose_sdpa_from({16: {"kernel": 1, "sdpa": 2}, 64: {"kernel": 2, "sdpa": 1},
-                                 256: {"kernel": 3, "sdpa": 4}}) is None
-    assert cal.choose_sdpa_from({64: {"kernel": 1.0, "sdpa": 0.97}, 256: {"kernel": 2.0, "sdpa": 1.0}}) == 256
+    assert cal.choose_long({16: {"kernel": 1, "sdpa": 2}, 64: {"kernel": 2, "sdpa": 1},
+                            256: {"kernel": 3, "sdpa": 4}}) == (None, None)
+    assert cal.choose_long({64: {"kernel": 1.0, "sdpa": 0.97}, 256: {"kernel": 2.0, "sdpa": 1.0}}) == ("sdpa", 256)
+    # both from the same length: the one faster at the longest rows
+    assert cal.choose_long({64: {"kernel": 2.0, "sdpa": 1.0, "amx": 1.5},
+                            256: {"kernel": 4.0, "sdpa": 1.0, "amx": 2.0}}) == ("sdpa", 64)
 
 
 @pytest.mark.needs_cc
 def test_attention_plan_measured_cached_and_applied(tmp_path, monkeypatch):
     from pipeline.engine.backends.cpu.attention import RowAttention, kernel
     first = cal.calibrate_attention(kernel(), 4, 2, 16, torch.float32, tmp_path)
-    assert not first.cached and set(first.timings) == set(cal.ATTENTION_ROWS)
-    assert first.sdpa_from == cal.choose_sdpa_from(first.timings)
+    assert not first.cached and set(first.timings) == set(cal.ATTENTION_ROWS + cal.STEP_ROWS)
+    assert (first.long_kind, first.long_from) == cal.choose_long(first.timings)
+    assert first.long_kind != "amx"                           # fp32: not offered
     again = cal.calibrate_attention(kernel(), 4, 2, 16, torch.float32, tmp_path)
-    assert again.cached and again.sdpa_from == first.sdpa_from
+    assert again.cached and (again.long_kind, again.long_from) == (first.long_kind, first.long_from)
     # the runner: its attention is the plan's (RowAttention where SDPA takes some rows)
     monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path / "k"))
-    monkeypatch.setattr(cal, "measure_attention", lambda *a, **k: AMX_ATTENTION["bfloat16"])
+    monkeypatch.setattr(cal, "measure_attention", lambda *a, **k: WITHOUT_AMX)
     runner = build_runner(tiny_llama(seed=3), 2, 64)
-    assert isinstance(runner.cpu_attention, RowAttention) and runner.cpu_attention.sdpa_from == 64
-    assert "flash attention for rows of >= 64" in runner.plan.attention
+    assert isinstance(runner.cpu_attention, RowAttention) and runner.cpu_attention.long_from == 256
+    assert runner.cpu_attention.long_kind == "sdpa"
+    assert "flash attention for rows of >= 256" in runner.plan.attention
     assert not isinstance(build_runner(tiny_llama(seed=3), 2, 64, cpu_attention="on").cpu_attention, RowAttention)
 
 
@@ -311,3 +321,17 @@ def test_timings_that_do_not_grow_with_the_work_are_taken_again_and_never_cached
     assert cal._cached(tmp_path, "attention-plan", "k", lambda d: "cached", measure) == "plan"
     assert cal._cached(tmp_path, "attention-plan", "k", lambda d: "cached", measure) == "plan"
     assert len(calls) == 2 and not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.amx_bf16
+def test_amx_attention_plan_applied(tmp_path, monkeypatch):
+    """bf16 on a CPU with AMX: the AMX kernel is measured beside the others and, where the plan says so,
+    takes the rows from its length on."""
+    from pipeline.engine.backends.cpu.attention import RowAttention, amx_kernel, kernel
+    plan = cal.calibrate_attention(kernel(), 6, 2, 32, torch.bfloat16, tmp_path, amx=amx_kernel())
+    assert all("amx" in t for t in plan.timings.values())
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.setattr(cal, "measure_attention", lambda *a, **k: AMX_ATTENTION["bfloat16"])
+    runner = build_runner(tiny_llama(seed=3, hidden=128).to(torch.bfloat16), 2, 64)      # head size 32
+    assert isinstance(runner.cpu_attention, RowAttention) and runner.cpu_attention.long_kind == "amx"
+    assert runner.cpu_attention.long_from == 2 and "our AMX kernel for rows of >= 2" in runner.plan.attention

@@ -172,21 +172,92 @@ def test_modes():
         cpu_attention.policy("maybe", cpu, torch.float32, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_attention_splits_rows_between_the_kernels(dtype):
+@pytest.mark.parametrize("long_kind,dtype", [("sdpa", torch.float32), ("sdpa", torch.bfloat16),
+                                              pytest.param("amx", torch.bfloat16, marks=pytest.mark.amx_bf16)])
+def test_row_attention_splits_rows_between_the_kernels(long_kind, dtype):
     """Rows of >= 8 new tokens through SDPA (from position 0: causal; from later positions: a mask over
-    the stored keys), shorter ones through our kernel, tree bits through ours alone: all as the reference."""
-    from pipeline.engine.backends.cpu.attention import RowAttention, kernel, reference
+    the stored keys) or our AMX kernel, shorter ones through our kernel, tree bits through ours alone
+    beside SDPA and through the AMX kernel too: all as the reference (the AMX kernel's rows as the
+    reference that rounds the numerators as it does)."""
+    from pipeline.engine.backends.cpu.attention import RowAttention, amx_kernel, kernel, reference
     gen = torch.Generator().manual_seed(5)
-    k_store = torch.randn(4, 2, 64, 16, generator=gen).to(dtype)
-    v_store = torch.randn(4, 2, 64, 16, generator=gen).to(dtype)
+    dim = 32 if long_kind == "amx" else 16
+    k_store = torch.randn(4, 2, 64, dim, generator=gen).to(dtype)
+    v_store = torch.randn(4, 2, 64, dim, generator=gen).to(dtype)
     slots, starts, num_new = [2, 0, 3, 1], [0, 20, 30, 5], [12, 1, 9, 3]
     firsts = [0, 12, 13, 22]
     table = torch.tensor([slots, starts, num_new, firsts], dtype=torch.long)
-    query = torch.randn(sum(num_new), 6, 16, generator=gen).to(dtype)
-    split = RowAttention(kernel(), 8)
+    query = torch.randn(sum(num_new), 6, dim, generator=gen).to(dtype)
+    bits = torch.full((25,), -1, dtype=torch.long)
+    bits[13:17] = torch.tensor(visible_inputs([-1, 0, 0]))              # row 2 (9 tokens at 30) starts with a tree
+    split = RowAttention(kernel(), 8, amx_kernel() if long_kind == "amx" else None)
+    assert split.long_kind == long_kind
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for t in (table, table[:, [0, 2]].contiguous(), table[:, [1, 3]].contiguous()):  # mixed, all long, all short
-        got, want = split(query, k_store, v_store, t, 0.25), reference(query, k_store, v_store, t, 0.25)
-        for slot, start, n, first in t.T.tolist():
-            torch.testing.assert_close(got[first:first + n].float(), want[first:first + n].float(), rtol=tol, atol=tol)
+        for b in (None, bits):
+            got = split(query, k_store, v_store, t, 0.25, b)
+            for slot, start, n, first in t.T.tolist():
+                rounded = long_kind == "amx" and n >= 8
+                want = reference(query, k_store, v_store, t, 0.25, b, rounded_p=rounded)
+                torch.testing.assert_close(got[first:first + n].float(), want[first:first + n].float(),
+                                           rtol=tol, atol=tol)
+
+
+amx = pytest.mark.amx_bf16
+
+
+def _bf16_case(dim, groups, seed=0):
+    query, k_store, v_store, table = ragged_case(dim, groups, seed=seed)
+    return query.bfloat16(), k_store.bfloat16(), v_store.bfloat16(), table
+
+
+@amx
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 1), (32, 2), (256, 2)])
+def test_amx_kernel_equals_the_reference_that_rounds_alike(dim, groups):
+    """Ragged rows (1 to 70 new tokens, starts up to near the capacity, a row over the 64-token task
+    block), against the reference with the numerators rounded to bf16: within the output's last bit;
+    against the fp32 softmax's reference the difference is that rounding, far below a wrong key's."""
+    query, k_store, v_store, table = _bf16_case(dim, groups)
+    got = cpu_attention.amx_kernel()(query, k_store, v_store, table, dim ** -0.5).float()
+    want = cpu_attention.reference(query, k_store, v_store, table, dim ** -0.5, rounded_p=True).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2 ** -7)
+    plain = cpu_attention.reference(query, k_store, v_store, table, dim ** -0.5).float()
+    off_by_one = table.clone()
+    off_by_one[1] += 1                                       # every token one key further: a wrong mask
+    wrong = cpu_attention.reference(query, k_store, v_store, off_by_one, dim ** -0.5).float()
+    assert (got - plain).abs().max() < 0.1 < (wrong - plain).abs().max()
+
+
+@amx
+def test_amx_kernel_masks_token_trees():
+    """A tree row (a root, two children of it, a grandchild): each token sees its ancestors only, as the
+    reference with the same bits, and differently from the causal row it would otherwise be."""
+    query, k_store, v_store, table = _bf16_case(64, 3, seed=2)
+    bits = torch.full((query.shape[0],), -1, dtype=torch.long)
+    slot, start, first = table[0, 2].item(), table[1, 2].item(), table[3, 2].item()   # the row of 7 at 37
+    bits[first:first + 4] = torch.tensor(visible_inputs([-1, -1, 0]))
+    # token 1's key close to token 2's first query heads and its value large: plain to see where it is seen
+    v_store[slot, :, start + 1] = 30.0
+    k_store[slot, :, start + 1] = query[first + 2, ::3]
+    got = cpu_attention.amx_kernel()(query, k_store, v_store, table, 0.125, bits).float()
+    want = cpu_attention.reference(query, k_store, v_store, table, 0.125, bits, rounded_p=True).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2 ** -7)
+    causal = cpu_attention.amx_kernel()(query, k_store, v_store, table, 0.125).float()
+    assert (got[first + 2] - causal[first + 2]).abs().max() > 1.0       # token 2 does not see token 1
+    assert torch.equal(got[first + 1], causal[first + 1])               # token 1 sees what a causal row sees
+
+
+@amx
+def test_amx_kernel_writes_only_its_rows_and_refuses_what_it_cannot_take():
+    query, k_store, v_store, table = _bf16_case(64, 3)
+    out = torch.full_like(query, 7.0)
+    cpu_attention.amx_kernel().into(out, query, k_store, v_store, table[:, [2]].contiguous(), 0.125)
+    first, n = table[3, 2].item(), table[2, 2].item()
+    assert bool((out[:first] == 7).all()) and bool((out[first + n:] == 7).all())
+    assert not bool((out[first:first + n] == 7).any())
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_attention.amx_kernel()(query.float(), k_store, v_store, table, 0.125)
+    cpu = torch.device("cpu")
+    assert "bf16 stores" in cpu_attention.amx_unavailable(cpu, torch.float32, 64)
+    assert "multiples of 32" in cpu_attention.amx_unavailable(cpu, torch.bfloat16, 48)
+    assert cpu_attention.amx_unavailable(cpu, torch.bfloat16, 64) is None

@@ -210,7 +210,20 @@ def test_loop_over_row_attention_is_bitwise_the_modules(tmp_path, monkeypatch, d
     timings = {16: {"kernel": 2.0, "sdpa": 1.0}, 64: {"kernel": 4.0, "sdpa": 1.0}}
     monkeypatch.setattr(calibrate, "measure_attention", lambda *a, **k: timings)
     loop, modules = _pair(_model("llama", dtype))
-    assert isinstance(loop.cpu_attention, cpu_attention.RowAttention) and loop.cpu_attention.sdpa_from == 16
+    assert isinstance(loop.cpu_attention, cpu_attention.RowAttention) and loop.cpu_attention.long_from == 16
+    _assert_same(loop, modules)
+
+
+@pytest.mark.amx_bf16
+def test_loop_over_amx_attention_is_bitwise_the_modules(tmp_path, monkeypatch):
+    """Where rows of >= 4 new tokens take our AMX attention kernel (recorded timings; head size 32): the
+    loop and the modules compute the same, prompt chunks and verify rows through it."""
+    from pipeline.engine.backends.cpu import attention as cpu_attention, calibrate
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    timings = {4: {"kernel": 2.0, "sdpa": 3.0, "amx": 1.0}, 64: {"kernel": 4.0, "sdpa": 2.0, "amx": 1.0}}
+    monkeypatch.setattr(calibrate, "measure_attention", lambda *a, **k: timings)
+    loop, modules = _pair(_model("qwen3", torch.bfloat16))
+    assert loop.cpu_attention.long_kind == "amx" and loop.cpu_attention.long_from == 4
     _assert_same(loop, modules)
 
 

@@ -13,11 +13,16 @@ a second, then cached per source, compiler and CPU) and checked against a torch 
 first use. Where any of that fails,
 `unavailable()` says why and the runner keeps torch's kernels.
 
-Long rows (prompt chunks) may be better served by torch's flash-attention kernel, which blocks
-queries and keys into small matrix products (bf16 on AMX tiles where the CPU has them): on an Intel
-Xeon with AMX, bf16, a 256-token prompt row took 0.52 ms there against 1.19 ms here, while in fp32
-ours won at every length. `RowAttention` sends the rows of at least `sdpa_from` new tokens to it and
-the rest to ours; calibrate.py measures where (if anywhere) that pays on the machine.
+Rows of many new tokens (prompt chunks, verify rows) are bound by the products, not the memory: on CPUs
+with AMX, our AMX kernel (csrc/amx_attention_bf16.c) multiplies bf16 queries, keys and softmax
+numerators in tiles. On an Intel Xeon with AMX, bf16, SmolLM2's 30 layers, 2 threads
+(bench.research.attention_kernel's shapes, ms): a 2048-token prefill chunk of 8 prompts 54 against ours'
+236 (torch's flash attention 128); 32 verify rows of 5 tokens at ~300 context 27.5 against 62.5; a
+decoding step (one token a row) 51 against 37, so those rows stay with ours. Torch's flash attention
+(SDPA) may serve long rows where there is no AMX: a 256-token prompt row took 0.52 ms there against 1.19
+ms here in bf16, while in fp32 ours won at every length. `RowAttention` sends the rows of at least
+`long_from` new tokens to the one of them calibrate.py measured faster on the machine, and the rest to
+ours.
 
 Scope: fp32 or bf16 stores (a bf16 model's: keys and values are widened to fp32 as they are read,
 or, on CPUs with AVX512_BF16, a decoding step's scores taken straight from the bf16 keys by the
@@ -42,6 +47,7 @@ from ...kv.layout import visible
 from .build import choose, load_checked
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
+SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_attention_bf16.c"       # CPUs with amx_bf16: prompt rows
 FUNCTIONS = {torch.float32: "slot_attention_f32", torch.bfloat16: "slot_attention_bf16kv"}   # per store dtype
 STORE_DTYPES = tuple(FUNCTIONS)
 
@@ -95,40 +101,92 @@ class CpuAttention:
         return out.to(query.dtype)
 
 
+class AmxAttention:
+    """The loaded AMX kernel for prompt rows (csrc/amx_attention_bf16.c): bf16 queries and stores, causal rows,
+    P rounded to bf16 before its product with the values (as flash attention in bf16)."""
+
+    def __init__(self, path: Path):
+        self.build = path.stem
+        self._lib = ctypes.CDLL(str(path))
+        if self._lib.amx_attention_enable() != 0:
+            raise RuntimeError("the kernel may not use AMX tiles here (arch_prctl ARCH_REQ_XCOMP_PERM refused)")
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = self._lib.amx_attention_bf16
+        self._fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    def into(self, out: torch.Tensor, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+             row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention of the table's rows (CpuAttention's arguments) written into their tokens of `out`,
+        [num_tokens, heads, dim] bf16 like `query`; out's other tokens are left as they are."""
+        tensors = (query, k_store, v_store, out)
+        if any(t.dtype != torch.bfloat16 for t in tensors) or not all(
+                t.is_contiguous() for t in (*tensors, row_table)) or out.shape != query.shape:
+            raise ValueError("amx attention: contiguous bf16 query, stores and output of the query's shape expected")
+        if bits is not None and (bits.dtype != torch.long or bits.shape != (query.shape[0],) or not bits.is_contiguous()):
+            raise ValueError(f"amx attention: bits {tuple(bits.shape)} {bits.dtype}: expected [num_tokens] int64")
+        num_slots, kv_heads, cap, dim = k_store.shape
+        status = self._fn(query.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(),
+                          row_table.data_ptr(), None if bits is None else bits.data_ptr(), row_table.shape[1],
+                          kv_heads, query.shape[1] // kv_heads, cap, dim, float(scale), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("amx attention: the kernel could not allocate its scratch memory"
+                              if status == -1 else f"amx attention: kernel status {status}")
+        return out
+
+    def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                 row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
+        return self.into(torch.empty_like(query), query, k_store, v_store, row_table, scale, bits)
+
+
 class RowAttention:
-    """Our kernel for rows of fewer than `sdpa_from` new tokens, torch's SDPA (flash attention on CPU)
-    for the rest, one call per long row over its own keys: the same call as CpuAttention's."""
+    """Our kernel for rows of fewer than `long_from` new tokens; the longer rows by our AMX kernel where
+    given (one call for all of them, token trees too), else by torch's SDPA (flash attention on CPU), one
+    call per row over its own keys (a step with a token tree stays with ours). The same call as
+    CpuAttention's."""
 
-    def __init__(self, kernel: CpuAttention, sdpa_from: int):
-        self.kernel, self.sdpa_from = kernel, sdpa_from
-        self._split: tuple[torch.Tensor, list[tuple], torch.Tensor | None] | None = None
+    def __init__(self, kernel: CpuAttention, long_from: int, amx: AmxAttention | None = None):
+        self.kernel, self.long_from, self.amx = kernel, long_from, amx
+        self._split: tuple[torch.Tensor, list[tuple], torch.Tensor | None, torch.Tensor | None] | None = None
 
-    def __deepcopy__(self, memo):                       # a shared kernel; the split is rebuilt per table
-        return RowAttention(self.kernel, self.sdpa_from)
+    @property
+    def long_kind(self) -> str:
+        return "amx" if self.amx is not None else "sdpa"
 
-    def _rows(self, row_table: torch.Tensor) -> tuple[list[tuple], torch.Tensor | None]:
-        """(the long rows as (slot, start, n, first, mask), the short rows' table or None), made once per row
-        table: a forward asks once per layer with the same table (held here, so its identity is not
-        reused). mask: a row continuing its prompt (start > 0) sees its earlier keys and its own causally."""
+    def __deepcopy__(self, memo):                       # shared kernels; the split is rebuilt per table
+        return RowAttention(self.kernel, self.long_from, self.amx)
+
+    def _rows(self, row_table: torch.Tensor) -> tuple[list[tuple], torch.Tensor | None, torch.Tensor | None]:
+        """(the long rows as (slot, start, n, first, mask), the short rows' table or None, the long rows'
+        table or None), made once per row table: a forward asks once per layer with the same table (held
+        here, so its identity is not reused). mask: a row continuing its prompt (start > 0) sees its
+        earlier keys and its own causally (SDPA's rows only)."""
         if self._split is None or self._split[0] is not row_table:
-            is_long = row_table[2] >= self.sdpa_from
-            long = [(slot, start, n, first,
-                     None if start == 0 else torch.ones(n, start + n, dtype=torch.bool).tril(start))
-                    for slot, start, n, first in row_table[:, is_long].T.tolist()]
-            short = (row_table if not long else None if len(long) == row_table.shape[1]
+            is_long = row_table[2] >= self.long_from
+            long_table = row_table[:, is_long].contiguous() if bool(is_long.any()) else None
+            long = [] if long_table is None or self.amx is not None else [
+                (slot, start, n, first, None if start == 0 else torch.ones(n, start + n, dtype=torch.bool).tril(start))
+                for slot, start, n, first in long_table.T.tolist()]
+            short = (row_table if long_table is None else None if bool(is_long.all())
                      else row_table[:, ~is_long].contiguous())
-            self._split = (row_table, long, short)
-        return self._split[1], self._split[2]
+            self._split = (row_table, long, short, long_table)
+        return self._split[1], self._split[2], self._split[3]
 
     def __call__(self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
                  row_table: torch.Tensor, scale: float, bits: torch.Tensor | None = None,
                  check: bool = True) -> torch.Tensor:
-        if bits is not None:                              # token trees: verify rows, ours only
+        if bits is not None and self.amx is None:         # token trees: verify rows, ours only
             return self.kernel(query, k_store, v_store, row_table, scale, bits, check)
-        long, short = self._rows(row_table)
-        if not long:
-            return self.kernel(query, k_store, v_store, row_table, scale, check=check)
-        out = self.kernel(query, k_store, v_store, short, scale) if short is not None else torch.empty_like(query)
+        long, short, long_table = self._rows(row_table)
+        if long_table is None:
+            return self.kernel(query, k_store, v_store, row_table, scale, bits, check)
+        if self.amx is not None:                          # bf16 out: the queries are bf16 values (fused.py)
+            q16 = query.to(torch.bfloat16).contiguous()
+            out = (self.kernel(query, k_store, v_store, short, scale, bits).to(torch.bfloat16) if short is not None
+                   else torch.empty_like(q16))
+            return self.amx.into(out, q16, k_store, v_store, long_table, scale, bits)
+        out = (self.kernel(query, k_store, v_store, short, scale, bits) if short is not None
+               else torch.empty_like(query))
         for slot, start, n, first, mask in long:
             q = query[first:first + n].transpose(0, 1).unsqueeze(0)                       # [1, heads, n, dim]
             k, v = k_store[slot, :, :start + n].unsqueeze(0), v_store[slot, :, :start + n].unsqueeze(0)
@@ -141,9 +199,11 @@ class RowAttention:
 
 
 def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, row_table: torch.Tensor,
-              scale: float, bits: torch.Tensor | None = None) -> torch.Tensor:
-    """The same attention in plain torch, one row at a time (the kernel's specification and check),
-    in fp32 whatever the store's dtype, returned in the query's."""
+              scale: float, bits: torch.Tensor | None = None, rounded_p: bool = False) -> torch.Tensor:
+    """The same attention in plain torch, one row at a time (the kernels' specification and check),
+    in fp32 whatever the store's dtype, returned in the query's. rounded_p: the AMX kernel's arithmetic,
+    the softmax numerators e^(s - max) rounded to bf16 before their product with the values, which is
+    divided by their fp32 sum."""
     out_dtype, query = query.dtype, query.float()
     k_store, v_store = k_store.float(), v_store.float()
     out = torch.empty_like(query)
@@ -157,7 +217,13 @@ def reference(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
         if bits is not None:
             future |= ~visible(torch.arange(start + n), start + torch.arange(n).unsqueeze(1), torch.tensor(start),
                                bits[first:first + n].unsqueeze(1))
-        out[first:first + n] = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+        scores = scores.masked_fill(future, float("-inf"))
+        if rounded_p:
+            e = (scores - scores.amax(-1, keepdim=True)).exp()
+            a = (e.bfloat16().float() @ v) / e.sum(-1, keepdim=True)
+        else:
+            a = scores.softmax(-1) @ v
+        out[first:first + n] = a.transpose(0, 1)
     return out.to(out_dtype)
 
 
@@ -180,6 +246,49 @@ def _self_check(kernel: CpuAttention) -> None:
             err = (got - want).abs().max().item()
             if not err < 1e-4:
                 raise RuntimeError(f"self-check failed: max difference {err:.2e} from the torch reference")
+
+
+def _self_check_amx(kernel: AmxAttention) -> None:
+    """The built AMX kernel against `reference` with the numerators rounded alike: ragged prompt rows, a
+    row continuing its prompt, a token tree, head sizes 64, 128 and 32. A bf16 output may differ from the
+    reference's by its last bit where the two land either side of a rounding; beyond that they agree."""
+    gen = torch.Generator().manual_seed(0)
+    for dim, groups in ((64, 3), (128, 1), (32, 2)):
+        k_store = torch.randn(5, 2, 160, dim, generator=gen).bfloat16()
+        v_store = torch.randn(5, 2, 160, dim, generator=gen).bfloat16()
+        table = torch.tensor([[3, 0, 4, 1], [0, 17, 40, 90], [37, 1, 5, 40], [0, 37, 38, 43]], dtype=torch.long)
+        query = torch.randn(83, 2 * groups, dim, generator=gen).bfloat16()
+        bits = torch.full((83,), -1, dtype=torch.long)
+        bits[38:43] = torch.tensor(visible_inputs([-1, -1, 0, 2]))          # the row of 5 at 40: a tree
+        for b in (None, bits):
+            got = kernel(query, k_store, v_store, table, dim ** -0.5, b).float()
+            want = reference(query, k_store, v_store, table, dim ** -0.5, b, rounded_p=True).float()
+            err = ((got - want).abs() / (want.abs() + 1e-2)).max().item()
+            if not err < 2 ** -6:
+                raise RuntimeError(f"self-check failed: relative difference {err:.2e} from the torch reference")
+
+
+@lru_cache(maxsize=None)
+def _load_amx() -> tuple[AmxAttention | None, str | None]:
+    return load_checked(SOURCE_AMX, AmxAttention, _self_check_amx, "the attention kernel without AMX tiles")
+
+
+def amx_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a runner with this device, store dtype and head size cannot use the AMX kernel, else None.
+    Builds (or finds) and checks it on first call: CPUs with amx_bf16, bf16 stores, head sizes that are
+    multiples of 32 up to 256."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "the AMX attention kernel is for bf16 stores on CPUs"
+    if head_dim % 32 or head_dim > 256:
+        return f"head size {head_dim}: the AMX kernel takes multiples of 32 up to 256"
+    return _load_amx()[1]
+
+
+def amx_kernel() -> AmxAttention:
+    loaded, reason = _load_amx()
+    if loaded is None:
+        raise RuntimeError(f"AMX attention kernel unavailable: {reason}")
+    return loaded
 
 
 @lru_cache(maxsize=None)

@@ -54,7 +54,7 @@ from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
-VERSION = 3                              # of the measurement: a change here re-measures every cached plan
+VERSION = 4                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
@@ -356,12 +356,13 @@ def disturbed(timings: dict[int, dict[str, float]], least_growth: float = 5.0) -
 
 
 def _undisturbed(measure: Callable[[], dict[int, dict[str, float]]], what: str,
-                 tries: int = 3) -> tuple[dict[int, dict[str, float]], bool]:
-    """`measure`'s timings, taken again (up to `tries` in all) while they look disturbed; (timings, whether
-    the last still did: such a plan serves this process and is not cached)."""
+                 tries: int = 3, from_rows: int = 0) -> tuple[dict[int, dict[str, float]], bool]:
+    """`measure`'s timings, taken again (up to `tries` in all) while they look disturbed (judged on the row
+    counts from `from_rows` on); (timings, whether the last still did: such a plan serves this process
+    and is not cached)."""
     for _ in range(tries):
         timings = measure()
-        if not disturbed(timings):
+        if not disturbed({n: t for n, t in timings.items() if n >= from_rows}):
             return timings, False
     warnings.warn(f"{what}: timings did not grow with the work in {tries} tries (the machine is busy); "
                   f"the plan from the last is used and not cached", stacklevel=2)
@@ -404,72 +405,98 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
 
 
 ATTENTION_ROWS = (16, 64, 256, 512)     # new tokens of one prompt row, from position 0
+STEP_ROWS = (2, 4, 8)                   # new tokens of each of 64 / n verify rows at STEP_CONTEXT
+STEP_CONTEXT = 256
+LONG_KINDS = ("amx", "sdpa")            # what may take the long rows: our AMX kernel, torch's flash attention
 
 
 @dataclass
 class AttentionPlan:
-    """Where rows go to torch's flash attention instead of our kernel, as measured."""
+    """Where rows leave our kernel, as measured: from `long_from` new tokens on, for our AMX kernel or
+    torch's flash attention (`long_kind`)."""
     key: str
-    timings: dict[int, dict[str, float]]       # new tokens -> {"kernel": ms, "sdpa": ms}
-    sdpa_from: int | None                      # rows of at least this many new tokens: SDPA; None: ours only
+    timings: dict[int, dict[str, float]]       # new tokens -> {"kernel": ms, "sdpa": ms[, "amx": ms]}
+    long_kind: str | None                      # "amx" | "sdpa"; None: ours only
+    long_from: int | None
     seconds: float
     cached: bool = False
 
     def describe(self) -> str:
         how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
-        if self.sdpa_from is None:
+        if self.long_kind is None:
             return f"cpu-kernel ({how})"
-        return f"cpu-kernel, torch's flash attention for rows of >= {self.sdpa_from} new tokens ({how})"
+        by = "our AMX kernel" if self.long_kind == "amx" else "torch's flash attention"
+        return f"cpu-kernel, {by} for rows of >= {self.long_from} new tokens ({how})"
 
     def to_json(self) -> dict:
-        return {"version": VERSION, "key": self.key, "seconds": self.seconds, "sdpa_from": self.sdpa_from,
-                "timings": {str(n): t for n, t in self.timings.items()}}
+        return {"version": VERSION, "key": self.key, "seconds": self.seconds, "long_kind": self.long_kind,
+                "long_from": self.long_from, "timings": {str(n): t for n, t in self.timings.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "AttentionPlan":
-        return cls(data["key"], _row_timings(data), data["sdpa_from"], float(data["seconds"]), cached=True)
+        return cls(data["key"], _row_timings(data), data["long_kind"], data["long_from"], float(data["seconds"]),
+                   cached=True)
 
 
-def choose_sdpa_from(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> int | None:
-    """The fewest new tokens from which SDPA beats our kernel by more than `tolerance` at that row
-    length and at every longer one measured; None where it does not at the longest."""
-    chosen = None
-    for n in sorted(timings, reverse=True):
-        if timings[n]["sdpa"] * (1 + tolerance) < timings[n]["kernel"]:
-            chosen = n
-        else:
-            break
-    return chosen
+def choose_long(timings: dict[int, dict[str, float]], tolerance: float = TOLERANCE) -> tuple[str | None, int | None]:
+    """(kind, from): for each long kind measured, the fewest new tokens from which it beats our kernel by
+    more than `tolerance` at that row length and at every longer one measured; the kind with the fewest
+    (ties: the faster at the longest). (None, None) where neither beats ours at the longest."""
+    found = []
+    for kind in LONG_KINDS:
+        if not all(kind in t for t in timings.values()):
+            continue
+        start = None
+        for n in sorted(timings, reverse=True):
+            if timings[n][kind] * (1 + tolerance) < timings[n]["kernel"]:
+                start = n
+            else:
+                break
+        if start is not None:
+            found.append((start, timings[max(timings)][kind], kind))
+    if not found:
+        return None, None
+    start, _, kind = min(found)
+    return kind, start
 
 
-def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                      rows: tuple[int, ...] = ATTENTION_ROWS, repeats: int = 5) -> dict[int, dict[str, float]]:
-    """ms of one prompt row of n new tokens (from position 0) by our kernel and by SDPA, interleaved."""
+def measure_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, amx=None,
+                      rows: tuple[int, ...] = ATTENTION_ROWS, step_rows: tuple[int, ...] = STEP_ROWS,
+                      repeats: int = 5) -> dict[int, dict[str, float]]:
+    """ms of one prompt row of n new tokens (from position 0), and of a verify-like step (64 / n rows of
+    n new tokens at STEP_CONTEXT) for the step rows, by our kernel, by SDPA and (given) by our AMX
+    kernel, interleaved."""
     gen = torch.Generator().manual_seed(0)
-    cap = max(rows)
-    ks = (torch.randn(1, kv_heads, cap, dim, generator=gen) * 0.5).to(dtype)
-    vs = torch.randn(1, kv_heads, cap, dim, generator=gen).to(dtype)
-    sdpa = RowAttention(kernel, 1)
+    shapes = [(64 // n, n, STEP_CONTEXT) for n in step_rows] + [(1, n, 0) for n in rows]
+    cap = max(start + n for _, n, start in shapes)
+    slots = max(r for r, _, _ in shapes)
+    ks = (torch.randn(slots, kv_heads, cap, dim, generator=gen) * 0.5).to(dtype)
+    vs = torch.randn(slots, kv_heads, cap, dim, generator=gen).to(dtype)
+    kinds = {"kernel": kernel, "sdpa": RowAttention(kernel, 1)}
+    if amx is not None:
+        kinds["amx"] = RowAttention(kernel, 1, amx)
     out: dict[int, dict[str, float]] = {}
-    for n in rows:
-        q = torch.randn(n, heads, dim, generator=gen).to(dtype)
-        table = torch.tensor([[0], [0], [n], [0]], dtype=torch.long)
-        out[n] = _interleaved({name: (lambda fn=fn: fn(q, ks, vs, table, dim ** -0.5))
-                               for name, fn in (("kernel", kernel), ("sdpa", sdpa))},
+    for count, n, start in shapes:
+        q = torch.randn(count * n, heads, dim, generator=gen).to(dtype)
+        table = torch.tensor([list(range(count)), [start] * count, [n] * count, [i * n for i in range(count)]],
+                             dtype=torch.long)
+        out[n] = _interleaved({name: (lambda fn=fn: fn(q, ks, vs, table, dim ** -0.5)) for name, fn in kinds.items()},
                               repeats, warmups=2)          # SDPA's first calls set up its kernel
     return out
 
 
 def calibrate_attention(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                        folder: Path | None = None) -> AttentionPlan:
-    """Where prompt rows take SDPA on this machine for this attention shape (cached like the linear plans)."""
+                        folder: Path | None = None, amx=None) -> AttentionPlan:
+    """Where rows leave our kernel on this machine for this attention shape, and for which (cached like
+    the linear plans). amx: our AMX kernel, where the CPU has it (attention.amx_unavailable)."""
     key = _digest({"machine": machine(), "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "dim": dim,
-                   "build": getattr(kernel, "build", None)})
+                   "build": getattr(kernel, "build", None), "amx": getattr(amx, "build", None)})
 
     def measured() -> tuple[AttentionPlan, dict]:
         t0 = time.perf_counter()
-        timings, busy = _undisturbed(lambda: measure_attention(kernel, heads, kv_heads, dim, dtype), "attention plan")
-        plan = AttentionPlan(key, timings, choose_sdpa_from(timings), time.perf_counter() - t0)
+        timings, busy = _undisturbed(lambda: measure_attention(kernel, heads, kv_heads, dim, dtype, amx),
+                                     "attention plan", from_rows=min(ATTENTION_ROWS))
+        plan = AttentionPlan(key, timings, *choose_long(timings), time.perf_counter() - t0)
         return plan, None if busy else plan.to_json()
     return _cached(folder or plans_folder(), "attention-plan", key, AttentionPlan.from_json, measured)
 

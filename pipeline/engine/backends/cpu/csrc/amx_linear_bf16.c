@@ -34,38 +34,13 @@
 #if !defined(__AMX_BF16__) || !defined(__AMX_TILE__) || !defined(__AVX512BF16__)
 #error "needs AMX-BF16 (the amx_bf16 and amx_tile CPU flags) and AVX512-BF16: not in this CPU's -march=native"
 #else                         /* the rest only where it compiles: the error above is the build's only message */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 enum { NR = 16, TM = 16, TK = 32, MB = 64 };
 
-int amx_enable(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
-
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = TM;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+int amx_enable(void) { return amx_request(); }
 
 /* One task's K / 32 steps, two at a time: C tile r (rows 16r.. of the task) += A (rows of x) x B (16
  * pairs of the panel). B alternates between tiles 5 and 7 by step and A between 4 and 6 by row tile,
@@ -120,7 +95,7 @@ int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pan
     int64_t row_blocks = (M + MB - 1) / MB, tasks = num_panels * row_blocks;
     #pragma omp parallel num_threads(num_threads)
     {
-        configure_tiles();
+        amx_configure_tiles();
         float c[4][TM * NR];
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {

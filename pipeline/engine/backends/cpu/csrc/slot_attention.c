@@ -45,32 +45,6 @@ static inline v8 reduce8(const v8 a[8]) {
     return HALVES(QUADS(b0, b1), QUADS(b2, b3));
 }
 
-/* x[0, m) <- e^(x - max x[0, m)); returns their sum. x has room for m rounded up to 8 (scratch). */
-static float softmax_numerators(float *x, int64_t m) {
-    int64_t n8 = (m + 7) & ~(int64_t)7;
-    /* The padding lanes must never be the maximum: with -87 there (exp8_nonpositive's floor), a row
-     * whose every score is below -87 (real models have such heads) took -87 as its max and lost
-     * its softmax. */
-    for (int64_t i = m; i < n8; i++) x[i] = -FLT_MAX;
-    v8 mxv = load8(x);
-    for (int64_t i = 8; i < n8; i += 8) {
-        v8 v = load8(x + i);
-        mxv = select8(v > mxv, v, mxv);
-    }
-    float mx = mxv[0];
-    for (int i = 1; i < 8; i++) mx = mxv[i] > mx ? mxv[i] : mx;
-    v8 sum = {0};
-    for (int64_t i = 0; i < n8; i += 8) {
-        v8 e = exp8_nonpositive(load8(x + i) - mx);
-        store8(x + i, e);
-        if (i + 8 <= m) sum += e;
-        else for (int64_t j = i; j < m; j++) sum[0] += e[j - i];
-    }
-    float total = 0;
-    for (int i = 0; i < 8; i++) total += sum[i];
-    return total;
-}
-
 /* Queries attended together (QB): each key or value vector loaded (and, from a bf16 store, widened)
  * once serves QB queries. Their score accumulators (QB x 8 keys) and output accumulators (QB x 8
  * vectors) must stay in registers: QB 3 where the ISA has 32 vector registers (AVX-512, Arm), else 1

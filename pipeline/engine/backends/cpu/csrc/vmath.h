@@ -1,9 +1,10 @@
-/* Vector helpers shared by our C kernels (slot_attention.c, fused_ops.c, panel_linear.c): portable GCC (>= 12) /
+/* Vector helpers shared by our C kernels (slot_attention.c, amx_attention_bf16.c, fused_ops.c, panel_linear.c): portable GCC (>= 12) /
  * Clang vector extensions, eight fp32 lanes. Included by each kernel's single source file; the
  * build's cache key covers this header too (build.py). */
 #ifndef SPECPIPE_VMATH_H
 #define SPECPIPE_VMATH_H
 
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -52,6 +53,32 @@ static inline v8 exp8_nonpositive(v8 v) {
     v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
            + r * (0.0083333338f + r * 0.0013888889f)))));
     return p * (v8)((k + 127) << 23);
+}
+
+/* x[0, m) <- e^(x - max x[0, m)); returns their sum. x has room for m rounded up to 8 (scratch). */
+static inline float softmax_numerators(float *x, int64_t m) {
+    int64_t n8 = (m + 7) & ~(int64_t)7;
+    /* The padding lanes must never be the maximum: with -87 there (exp8_nonpositive's floor), a row
+     * whose every score is below -87 (real models have such heads) took -87 as its max and lost
+     * its softmax. */
+    for (int64_t i = m; i < n8; i++) x[i] = -FLT_MAX;
+    v8 mxv = load8(x);
+    for (int64_t i = 8; i < n8; i += 8) {
+        v8 v = load8(x + i);
+        mxv = select8(v > mxv, v, mxv);
+    }
+    float mx = mxv[0];
+    for (int i = 1; i < 8; i++) mx = mxv[i] > mx ? mxv[i] : mx;
+    v8 sum = {0};
+    for (int64_t i = 0; i < n8; i += 8) {
+        v8 e = exp8_nonpositive(load8(x + i) - mx);
+        store8(x + i, e);
+        if (i + 8 <= m) sum += e;
+        else for (int64_t j = i; j < m; j++) sum[0] += e[j - i];
+    }
+    float total = 0;
+    for (int i = 0; i < 8; i++) total += sum[i];
+    return total;
 }
 
 #endif
