@@ -1,7 +1,9 @@
 """Our CPU attention kernel (csrc/slot_attention.c) alone, at SmolLM2's shapes (9 query heads, 3 KV
-heads, head size 64), against the same kernel built from an earlier commit's source.
+heads, head size 64), against the same kernel built from an earlier commit's source, and (--amx) our AMX
+kernel (csrc/amx_attention_bf16.c).
 
     .venv/bin/python -m bench.research.attention_kernel --against b86b6a5~1 --dtypes float32,bfloat16
+    .venv/bin/python -m bench.research.attention_kernel --dtypes bfloat16 --amx     # and our AMX kernel
 
 Shapes (one layer's call, made for each of SmolLM2's 30 layers):
   prefill   8 rows x 256 new tokens from position 0 (a 2048-token prefill chunk, causal)
@@ -14,7 +16,8 @@ Median of --repeats passes after a warm-up, ms per pass over 30 layers, and GFLO
 x keys seen, summed over queries). As in a forward, each layer has its own store (a pass streams 30
 layers' keys and values from memory, as a decoding step does; `--one-store` times one layer's store
 30 times, warm in the caches) and the queries are values of the store's dtype (a bf16 model's are
-bf16). Every output is checked against the plain-torch reference first.
+bf16). Every output is checked against the plain-torch reference first (the AMX kernel's against the
+reference that rounds the softmax numerators to bf16 as it does).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 
 from bench.common import ROOT
 from pipeline.engine.backends.cpu import build as cpu_kernels
-from pipeline.engine.backends.cpu.attention import SOURCE, CpuAttention, reference
+from pipeline.engine.backends.cpu.attention import SOURCE, CpuAttention, amx_kernel, amx_unavailable, reference
 
 SHAPES = {"prefill": [(0, 256)] * 8, "decode": [(330 + i % 30, 1) for i in range(64)],
           "verify": [(300 + i % 30, 5) for i in range(32)], "b1-path": [(330, 5)], "b1-tree": [(330, 17)],
@@ -70,12 +73,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--one-store", action="store_true", help="one layer's store, 30 times (cache-warm)")
+    ap.add_argument("--amx", action="store_true", help="also our AMX kernel (bf16 stores, CPUs with amx_bf16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = {"this": CpuAttention(cpu_kernels.build(SOURCE))}
     tmp = Path(tempfile.mkdtemp(prefix="attention-kernel-"))
     if args.against:
         kernels[args.against] = CpuAttention(cpu_kernels.build(source_at(args.against, tmp)))
+    if args.amx:
+        why = amx_unavailable(torch.device("cpu"), torch.bfloat16, DIM)
+        if why:
+            raise SystemExit(f"--amx: {why}")
+        kernels["AMX"] = amx_kernel()
     print("| store | shape | " + " | ".join(f"{k} ms x{LAYERS} | GFLOP/s" for k in kernels) + " |")
     print("|---|---|" + "---|---|" * len(kernels))
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
@@ -85,14 +94,24 @@ def main() -> None:
             stores = stores * (LAYERS // len(stores))
             want = reference(query, *stores[0], table, DIM ** -0.5)
             cells = []
-            for kernel in kernels.values():
-                got = kernel(query, *stores[0], table, DIM ** -0.5)
-                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            for label, kernel in kernels.items():
+                q = query
+                if label == "AMX":                      # bf16 queries, numerators rounded to bf16 (its reference)
+                    if dtype != torch.bfloat16:
+                        cells.append("- | -")
+                        continue
+                    q = query.bfloat16()
+                    got = kernel(q, *stores[0], table, DIM ** -0.5).float()
+                    rounded = reference(q, *stores[0], table, DIM ** -0.5, rounded_p=True).float()
+                    torch.testing.assert_close(got, rounded, atol=2e-2, rtol=2 ** -7)
+                else:
+                    got = kernel(query, *stores[0], table, DIM ** -0.5)
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
                 times = []
                 for _ in range(args.repeats + 1):
                     t0 = time.perf_counter()
                     for k_store, v_store in stores:
-                        kernel(query, k_store, v_store, table, DIM ** -0.5)
+                        kernel(q, k_store, v_store, table, DIM ** -0.5)
                     times.append(time.perf_counter() - t0)
                 med = sorted(times[1:])[len(times[1:]) // 2]
                 cells.append(f"{med * 1e3:.1f} | {flops * LAYERS / med / 1e9:.1f}")

@@ -92,7 +92,7 @@ class ModelRunner:
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.cache_kwarg = cache_kwarg(model)
         self.kernels = kernels
-        self._apply(model, chosen, kernels)
+        self._apply(model, chosen, kernels, config.max_prefill_tokens)
         # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
         # (or the CPU loop over them) take every forward.
         self.graphs = (StepGraphs(self._model_forward, self.num_groups, self.dtype, self.device, num_slots,
@@ -132,7 +132,7 @@ class ModelRunner:
             times.append(time.perf_counter() - t0)
         return rows / sorted(times[1:])[len(times[1:]) // 2]
 
-    def _apply(self, model, chosen: Backends, kernels: Kernels) -> None:
+    def _apply(self, model, chosen: Backends, kernels: Kernels, prefill_rows: int) -> None:
         """Apply the chosen kernels to the model, in place, in the order they depend on each other."""
         # RMSNorms and SiLU MLPs as one pass each, gate and up as one linear, before the linears are
         # swapped below (the merged gate/up is a plain nn.Linear)
@@ -151,7 +151,7 @@ class ModelRunner:
         self.cpu_linear = chosen.linear
         self.calibration: Calibration | None = None
         self.amx = None                   # our AMX kernel, where the plan may take it
-        plans = self._linear_plans(model, chosen, kernels)
+        plans = self._linear_plans(model, chosen, kernels, prefill_rows)
         self.planned = planned_linears(model, plans, chosen.linear, self.amx) if plans else 0
         planned = [m for m in model.modules() if type(m) is PlannedLinear]
         self.panel_linears = sum(PANEL_KIND in m.plan.kinds or AMX in m.plan.kinds for m in planned)
@@ -165,10 +165,12 @@ class ModelRunner:
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
                                           self.max_model_len, active_sliding_window(model.config))
 
-    def _linear_plans(self, model, chosen: Backends, kernels: Kernels) -> dict[str, LinearPlan] | None:
+    def _linear_plans(self, model, chosen: Backends, kernels: Kernels,
+                      prefill_rows: int) -> dict[str, LinearPlan] | None:
         """Each family's plan (linear.py's FAMILIES): cpu_linear on: the panel kernel at every row count;
         off: oneDNN's packed linear; auto: measured here among the kernels that run (calibrate.py),
         with a second copy of a family's weights only where it fits in the memory share of the KV stores.
+        prefill_rows: the engine's prefill step (max_prefill_tokens), one more row count to time.
         None: torch's modules as they are (packed_linear off, or nothing of ours runs here)."""
         weights = family_weights(model)
         if not kernels.packed_linear or self.device.type != "cpu" or not weights:
@@ -191,7 +193,8 @@ class ModelRunner:
             return None
         shapes = {f: [tuple(w.shape) for w in ws] for f, ws in weights.items()}
         budget = int(free_memory(self.device) * MEMORY_SHARE["cpu"])
-        self.calibration = calibrate(weights, shapes, kinds, chosen.linear, amx=self.amx).within(budget)
+        self.calibration = calibrate(weights, shapes, kinds, chosen.linear, amx=self.amx,
+                                     prefill_rows=prefill_rows).within(budget)
         return self.calibration.plans
 
     def _plan(self, chosen: Backends) -> BackendPlan:

@@ -4,6 +4,7 @@ than the fastest kernel at any bucket, the memory fallback to one kernel, the ca
 measuring loop's dropping of a kernel that falls behind, and the runner applying what was chosen."""
 from __future__ import annotations
 
+import collections
 import json
 import random
 
@@ -101,7 +102,8 @@ def test_the_cache_key_names_everything_the_timings_depend_on():
               cal.cache_key(HOST, torch.float32, dict(SHAPES, qkv=[(64, 64)] * 5), ("panel", "onednn")),
               cal.cache_key(HOST, torch.float32, dict(SHAPES, lm_head=[(401, 64)]), ("panel", "onednn")),
               cal.cache_key(HOST, torch.float32, SHAPES, ("onednn", "torch")),
-              cal.cache_key(HOST, torch.float32, SHAPES, ("panel", "onednn"), "panel_linear-0123456789abcdef")]
+              cal.cache_key(HOST, torch.float32, SHAPES, ("panel", "onednn"), "panel_linear-0123456789abcdef"),
+              cal.cache_key(HOST, torch.float32, SHAPES, ("panel", "onednn"), None, cal.BUCKETS + (2048,))]
     assert len({base, *others}) == 1 + len(others)
 
 
@@ -154,6 +156,28 @@ def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
     assert sorted(times["onednn"]) == list(cal.BUCKETS)
     assert max(times["panel"]) in (16, 32)
     assert cal.choose_plan(times).describe() in ("panel<=4 onednn", "panel<=8 onednn")
+
+
+def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
+    """Past LARGE_ROWS a bucket's pass runs over the family's first LARGE_BYTES of weights (here 4 of 12
+    weights of 2 MB) and its time is scaled to all of them: each call costs 1 ms whatever the rows, so
+    every bucket reads ~12 ms."""
+    import time
+    calls = collections.Counter()
+
+    def fake(kind, weight, kernel, amx=None):
+        def run(x):
+            calls[x.shape[0]] += 1
+            end = time.perf_counter() + 1e-3
+            while time.perf_counter() < end:
+                pass
+        return run
+    monkeypatch.setattr(cal, "_runner", fake)
+    monkeypatch.setattr(cal, "LARGE_BYTES", 8 << 20)
+    weights = [torch.zeros(512, 1024) for _ in range(12)]                       # fp32: 2 MB each
+    times = cal.measure({"down": weights}, ("onednn",), None, buckets=(1, 256, 2048), repeats=1)["down"]
+    assert calls[2048] == 2 * 4 and calls[256] == 2 * 12                       # a warm-up pass, a timed one
+    assert all(11 < t < 20 for t in times["onednn"].values())
 
 
 def test_the_runner_applies_the_measured_plan(tmp_path, monkeypatch):

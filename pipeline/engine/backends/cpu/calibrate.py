@@ -12,10 +12,13 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
   * the family's real weights, all its layers up to FAMILY_BYTES (so a pass streams from memory as a
     forward does, not from a cache), in each candidate kernel's layout;
   * x of M rows, M in BUCKETS (1 = batch-1 decoding; 5 = verifying 4 draft tokens; 64 x 1 = a step of
-    64 sequences; 256 and past: prefill chunks and large verify steps take the last bucket's kernel);
+    64 sequences) and the engine's prefill step (engine.max_prefill_tokens) past them; rows past the
+    last bucket take its kernel. Buckets past LARGE_ROWS are bound by the arithmetic, not by streaming
+    the weights, and are timed on fewer of them (LARGE_BYTES);
   * per bucket one warm-up pass and REPEATS timed passes of each live candidate in turn (interleaved,
     so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
-    best and losing ground as rows grow is not timed at larger buckets.
+    best and losing ground as rows grow, from DROP_FROM rows on, is not timed at larger buckets (a
+    blocked kernel far behind at a few rows, oneDNN's, may still win at many).
 `choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
 fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
 bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
@@ -54,12 +57,13 @@ from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
-VERSION = 4                              # of the measurement: a change here re-measures every cached plan
+VERSION = 5                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
-DROP_RATIO = 2.5
+DROP_RATIO, DROP_FROM = 2.5, 16
 FAMILY_BYTES = 128 << 20
+LARGE_ROWS, LARGE_BYTES = 256, 8 << 20
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8", "amx_fp16", "asimd", "sve", "bf16")
 
@@ -136,11 +140,11 @@ def machine() -> dict:
 
 
 def cache_key(host: dict, dtype: torch.dtype, shapes: dict[str, list[tuple[int, int]]], kinds: tuple[str, ...],
-              build: str | None = None) -> str:
+              build: str | None = None, buckets: tuple[int, ...] = BUCKETS) -> str:
     """16 hex digits naming one calibration: machine x dtype x the model's linear shapes x candidates x
-    our kernel's build (its source changed: measured again)."""
+    our kernel's build (its source changed: measured again) x the row counts timed."""
     return _digest({"machine": host, "dtype": str(dtype), "kinds": list(kinds), "build": build,
-                    "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}})
+                    "buckets": list(buckets), "shapes": {f: [list(s) for s in shapes[f]] for f in sorted(shapes)}})
 
 
 def _digest(fields: dict) -> str:
@@ -217,11 +221,11 @@ def _runner(kind: str, weight: torch.Tensor, kernel: PanelKernel | None,
     return lambda x: F.linear(x, weight)
 
 
-def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The first weights of a family up to FAMILY_BYTES (at least one)."""
+def _sample(weights: list[torch.Tensor], limit: int = FAMILY_BYTES) -> list[torch.Tensor]:
+    """The first weights of a family up to `limit` bytes (at least one)."""
     taken, size = [], 0
     for w in weights:
-        if taken and size + w.numel() * w.element_size() > FAMILY_BYTES:
+        if taken and size + w.numel() * w.element_size() > limit:
             break
         taken.append(w)
         size += w.numel() * w.element_size()
@@ -232,26 +236,26 @@ def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kern
             buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS,
             amx: PanelKernel | None = None) -> dict[str, Timings]:
     """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
-    them, scaled by count)."""
+    them, scaled by count: past LARGE_ROWS rows a smaller one)."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, Timings] = {}
     for fam, ws in weights.items():
         sample = _sample(ws)
-        scale = len(ws) / len(sample)
+        large = len(_sample(ws, LARGE_BYTES))              # its first weights
         dtype, k = sample[0].dtype, sample[0].shape[1]
         x = (torch.randn(max(buckets), k, generator=gen) * 0.5).to(dtype)
         fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
         times: Timings = {kind: {} for kind in kinds}
         live, last_ratio = list(kinds), {}
         for b in buckets:
-            rows = x[:b]
-            laps = interleaved([lambda fs=fns[kind]: [fn(rows) for fn in fs] for kind in live], repeats)
+            rows, count = x[:b], len(sample) if b <= LARGE_ROWS else large
+            laps = interleaved([lambda fs=fns[kind][:count]: [fn(rows) for fn in fs] for kind in live], repeats)
             for kind, seconds in zip(live, laps):
-                times[kind][b] = seconds * 1e3 * scale
+                times[kind][b] = seconds * 1e3 * len(ws) / count
             fastest = min(times[kind][b] for kind in live)
             for kind in list(live):
                 ratio = times[kind][b] / fastest
-                if ratio > DROP_RATIO and ratio > last_ratio.get(kind, math.inf) and len(live) > 1:
+                if b >= DROP_FROM and ratio > DROP_RATIO and ratio > last_ratio.get(kind, math.inf) and len(live) > 1:
                     live.remove(kind)
                 last_ratio[kind] = ratio
         out[fam] = times
@@ -378,20 +382,22 @@ def _row_timings(data: dict) -> dict[int, dict[str, float]]:
 
 def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tuple[int, int]]],
               kinds: tuple[str, ...], kernel: PanelKernel | None, folder: Path | None = None,
-              amx: PanelKernel | None = None) -> Calibration:
+              amx: PanelKernel | None = None, prefill_rows: int | None = None) -> Calibration:
     """The plans for a model whose linears are `counts` (family -> (out, in) of each linear, in order)
     and whose dense weights `weights` holds by family: read from `folder` (default: the kernel cache's
-    plans/) where this machine measured the same key, else measured now and written there."""
+    plans/) where this machine measured the same key, else measured now and written there.
+    prefill_rows: the rows of the engine's prefill steps, timed as one more bucket past BUCKETS."""
     if not kinds:
         raise ValueError("no linear kernel to calibrate")
     dtype = next(iter(weights.values()))[0].dtype
     host = machine()
     builds = "+".join(k.build for k in (kernel, amx) if k is not None) or None
-    key = cache_key(host, dtype, counts, kinds, builds)
+    buckets = BUCKETS + ((prefill_rows,) if prefill_rows is not None and prefill_rows > BUCKETS[-1] else ())
+    key = cache_key(host, dtype, counts, kinds, builds, buckets)
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
-        timings = measure(weights, kinds, kernel, amx=amx) if len(kinds) > 1 else {
+        timings = measure(weights, kinds, kernel, buckets, amx=amx) if len(kinds) > 1 else {
             f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
         seconds = time.perf_counter() - t0
         plans = {f: choose_plan(t) for f, t in timings.items()}

@@ -201,7 +201,8 @@ static int split_query(const float *q, uint16_t *dst, int64_t dim) {
 #define SCORES_DP(PARTS, DIM)                                                                          \
         for (int64_t l = 0; l < m8; l += 8) {                                                          \
             for (int64_t b = 0; first_pass && b < 8 * DIM * 2; b += 64)  /* keys AHEAD on, from memory */ \
-                _mm_prefetch((const char *)(K + (l + AHEAD) * DIM) + b, _MM_HINT_T0);                  \
+            {   _mm_prefetch((const char *)(K + (l + AHEAD) * DIM) + b, _MM_HINT_T0);                  \
+                _mm_prefetch((const char *)(V + l * DIM) + b, _MM_HINT_T1); }  /* values: into L2 */   \
             __m512 acc[QB][8];                                                                         \
             for (int i = 0; i < QB; i++) for (int k = 0; k < 8; k++) acc[i][k] = _mm512_setzero_ps();  \
             for (int k = 0; k < 8; k++) {                                                              \
