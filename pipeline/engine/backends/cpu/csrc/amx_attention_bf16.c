@@ -120,22 +120,6 @@ static void value_tiles(uint16_t *vt, const uint16_t *V, int64_t m, int64_t m_pa
 #define VALUES(C, B) _tile_loadd(B, vt + (vb * vchunks + c0 + C) * TILE, 64); _tile_dpbf16ps(C, 4, B);
 #define STORE_OUT(C, B) _tile_stored(C, o + C * 256, 16 * sizeof(float));
 
-/* e^x for x <= 0 in 16 lanes: 2^k 2^f with k = round(x log2 e), |f| <= 1/2, 2^f by its degree-5 Taylor
- * polynomial (relative error below 3e-6: the numerators are rounded to bf16, 2^-9, next), lanes below
- * -87 taken as -87. */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, k);
-    __m512 poly = _mm512_set1_ps(1.3333558e-3f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6181291e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504109e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022651e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(poly, k);
-}
-
 /* Which of the 16 keys l .. l + 15 a token of a tree row sees: all below `base` (the row's start) and from
  * base + 63 on, and of base .. base + 62 those whose bit (key - base) of `bits` is set (-1: all). */
 static inline __mmask16 seen(int64_t l, int64_t base, uint64_t bits) {
@@ -169,7 +153,7 @@ static float softmax_row(const float *s, uint16_t *p, int64_t mq, int64_t mt32, 
     for (; l < mq; l += 16) {
         __mmask16 valid = l + 16 <= mq ? 0xffff : (__mmask16)((1u << (mq - l)) - 1);
         if (bits != NULL) valid &= seen(l, base, (uint64_t)*bits);
-        __m512 e = _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + l), vscale,
+        __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive_512(_mm512_fmsub_ps(_mm512_loadu_ps(s + l), vscale,
                                                                                  scaled_max)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + l), (__m256i)_mm512_cvtneps_pbh(e));

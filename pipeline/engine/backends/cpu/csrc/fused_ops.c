@@ -46,6 +46,15 @@ static inline v8 silu8(v8 x) {
     return num / (1.0f + e);
 }
 
+#ifdef __AVX512F__
+static inline __m512 silu_512(__m512 x) {                  /* silu8 in 16 lanes */
+    __m512 zero = _mm512_setzero_ps(), ax = _mm512_abs_ps(x);
+    __m512 e = exp_nonpositive_512(_mm512_sub_ps(zero, ax));
+    __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), x, e);
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
+
 static inline float silu1(float x) {
     v8 v = splat8(x);
     return silu8(v)[0];
@@ -72,17 +81,34 @@ static inline void norm_row_f32(const float *xr, const float *w, float *yr, int6
     for (; i < dim; i++) yr[i] = w[i] * (xr[i] * s);
 }
 
-/* dim a multiple of 8 */
+/* dim a multiple of 8; where the CPU has AVX-512, 16 lanes as far as they go (its sum of squares: 16 lanes,
+ * then the 8-lane tail's, then the lanes in order) */
 static inline void norm_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t dim, float eps) {
+    float sum = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 acc16 = _mm512_setzero_ps();
+    for (; i + 16 <= dim; i += 16) {
+        __m512 v = load_bf16_512(xr + i);
+        acc16 = _mm512_add_ps(acc16, _mm512_mul_ps(v, v));
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc16);
+    for (int c = 0; c < 16; c++) sum += lanes[c];
+#endif
     v8 acc = splat8(0.0f);
-    for (int64_t i = 0; i < dim; i += 8) {
+    for (; i < dim; i += 8) {
         v8 v = load8_bf16(xr + i);
         acc += v * v;
     }
-    float sum = 0.0f;
     for (int c = 0; c < 8; c++) sum += acc[c];
     float s = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i += 8)                 /* hidden.to(bf16), then weight * it */
+    i = 0;                                               /* hidden.to(bf16), then weight * it */
+#ifdef __AVX512F__
+    for (__m512 vs = _mm512_set1_ps(s); i + 16 <= dim; i += 16)
+        store_bf16_512(yr + i, _mm512_mul_ps(load_bf16_512(w + i), round_bf16_512(_mm512_mul_ps(load_bf16_512(xr + i), vs))));
+#endif
+    for (; i < dim; i += 8)
         store8_bf16(yr + i, load8_bf16(w + i) * round8_bf16(load8_bf16(xr + i) * s));
 }
 
@@ -121,7 +147,11 @@ int add_rms_norm_bf16(uint16_t *res, const uint16_t *d, const uint16_t *w, uint1
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *rr = res + r * dim;
         const uint16_t *dr = d + r * dim;
-        for (int64_t i = 0; i < dim; i += 8) store8_bf16(rr + i, load8_bf16(rr + i) + load8_bf16(dr + i));
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= dim; i += 16) store_bf16_512(rr + i, _mm512_add_ps(load_bf16_512(rr + i), load_bf16_512(dr + i)));
+#endif
+        for (; i < dim; i += 8) store8_bf16(rr + i, load8_bf16(rr + i) + load8_bf16(dr + i));
         norm_row_bf16(rr, w, y + r * dim, dim, eps);
     }
     return 0;
@@ -133,6 +163,10 @@ int silu_mul_f32(const float *gu, float *y, int64_t rows, int64_t inter, int num
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *yr = y + r * inter;
         int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16)
+            _mm512_storeu_ps(yr + i, _mm512_mul_ps(silu_512(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#endif
         for (; i + 8 <= inter; i += 8) store8(yr + i, silu8(load8(g + i)) * load8(u + i));
         for (; i < inter; i++) yr[i] = silu1(g[i]) * u[i];
     }
@@ -146,7 +180,12 @@ int silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t inter, 
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *yr = y + r * inter;
-        for (int64_t i = 0; i < inter; i += 8)
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16)
+            store_bf16_512(yr + i, _mm512_mul_ps(round_bf16_512(silu_512(load_bf16_512(g + i))), load_bf16_512(u + i)));
+#endif
+        for (; i < inter; i += 8)
             store8_bf16(yr + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
     }
     return 0;

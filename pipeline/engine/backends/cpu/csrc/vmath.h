@@ -81,4 +81,44 @@ static inline float softmax_numerators(float *x, int64_t m) {
     return total;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* The same in 16 lanes where the CPU has AVX-512. */
+static inline __m512 load_bf16_512(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 round_bf16_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), high);
+    __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), high);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet));
+}
+
+static inline void store_bf16_512(uint16_t *p, __m512 v) {
+    __m512i h = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(h));
+}
+
+/* exp8_nonpositive's reduction and polynomial, 2^k by scalef. */
+static inline __m512 exp_nonpositive_512(__m512 v) {
+    v = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), v);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(0.0013888889f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0083333338f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.041666668f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666667f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
 #endif
