@@ -119,13 +119,15 @@ def test_resolve_draft_dtype():
 
 def test_a_bf16_draft_beside_an_fp32_target_keeps_greedy_output(tiny_model_dir):
     """The draft loads in its own dtype, the target in its own, and greedy output stays the target's
-    (the verifier never trusts the draft's precision); drafts are still accepted."""
+    (the verifier never trusts the draft's precision); drafts are still accepted. Fixed-length drafting:
+    the adaptive policy may find a draft as large as its target not worth running and draft nothing."""
     from conftest import run_requests
     from pipeline.engine import SamplingParams
     from pipeline.job.runtime import build_engine
     section = EngineConfig(max_num_seqs=3, max_model_len=96)
     spec = build_engine(ModelsConfig(target=str(tiny_model_dir), draft=str(tiny_model_dir),
-                                     dtype="float32", draft_dtype="bfloat16"), DraftingConfig(method="draft"), section)
+                                     dtype="float32", draft_dtype="bfloat16"),
+                        DraftingConfig(method="draft", adaptive=False), section)
     plain = build_engine(ModelsConfig(target=str(tiny_model_dir), dtype="float32"), DraftingConfig(method="none"),
                          section)
     assert spec.dtype == DtypeChoice("float32", "configured")

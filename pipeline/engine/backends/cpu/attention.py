@@ -44,7 +44,7 @@ import torch
 
 from ...core.tree import visible_inputs
 from ...kv.layout import visible
-from .build import choose, load_checked
+from .build import choose, load_checked, loaded
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
 SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_attention_bf16.c"       # CPUs with amx_bf16: prompt rows
@@ -285,10 +285,7 @@ def amx_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 
 def amx_kernel() -> AmxAttention:
-    loaded, reason = _load_amx()
-    if loaded is None:
-        raise RuntimeError(f"AMX attention kernel unavailable: {reason}")
-    return loaded
+    return loaded(_load_amx, "AMX attention kernel")
 
 
 @lru_cache(maxsize=None)
@@ -309,10 +306,7 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
 
 
 def kernel() -> CpuAttention:
-    loaded, reason = _load()
-    if loaded is None:
-        raise RuntimeError(f"cpu attention kernel unavailable: {reason}")
-    return loaded
+    return loaded(_load, "cpu attention kernel")
 
 
 def policy(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuAttention | None:

@@ -104,6 +104,14 @@ def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], N
         return None, f"{type(e).__name__}: {e}"
 
 
+def loaded(load: Callable[[], tuple[K | None, str | None]], what: str) -> K:
+    """The kernel `load()` (a load_checked) gives, or a RuntimeError naming `what` and why not."""
+    kernel, reason = load()
+    if kernel is None:
+        raise RuntimeError(f"{what} unavailable: {reason}")
+    return kernel
+
+
 def choose(key: str, mode: str, why_not: Callable[[], str | None], load: Callable[[], K]) -> K | None:
     """A kernel under its switch `key` = mode (model/plan.py's Kernels): auto (where `why_not()` says
     nothing), on (raises with its reason where not), off (None: the caller's torch/oneDNN path)."""

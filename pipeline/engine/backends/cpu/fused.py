@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .build import choose, load_checked
+from .build import choose, load_checked, loaded
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -337,10 +337,7 @@ def _load() -> tuple[FusedOps | None, str | None]:
 
 
 def kernel() -> FusedOps:
-    loaded, reason = _load()
-    if loaded is None:
-        raise RuntimeError(f"fused CPU kernels unavailable: {reason}")
-    return loaded
+    return loaded(_load, "fused CPU kernels")
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .build import choose, load_checked
+from .build import choose, load_checked, loaded
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.c"
 SOURCE_BF16 = Path(__file__).parent / "csrc" / "panel_linear_bf16.c"     # CPUs with avx512_bf16
@@ -250,10 +250,7 @@ def _load_amx() -> tuple[PanelKernel | None, str | None]:
 
 
 def amx_kernel() -> PanelKernel:
-    loaded, reason = _load_amx()
-    if loaded is None:
-        raise RuntimeError(f"AMX linear kernel unavailable: {reason}")
-    return loaded
+    return loaded(_load_amx, "AMX linear kernel")
 
 
 def amx_unavailable(device: torch.device, weights: dict[str, list[torch.Tensor]]) -> str | None:
