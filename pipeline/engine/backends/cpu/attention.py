@@ -15,14 +15,13 @@ first use. Where any of that fails,
 
 Rows of many new tokens (prompt chunks, verify rows) are bound by the products, not the memory: on CPUs
 with AMX, our AMX kernel (csrc/amx_attention_bf16.c) multiplies bf16 queries, keys and softmax
-numerators in tiles. On an Intel Xeon with AMX, bf16, SmolLM2's 30 layers, 2 threads
-(bench.research.attention_kernel's shapes, ms): a 2048-token prefill chunk of 8 prompts 54 against ours'
-236 (torch's flash attention 128); 32 verify rows of 5 tokens at ~300 context 27.5 against 62.5; a
-decoding step (one token a row) 51 against 37, so those rows stay with ours. Torch's flash attention
-(SDPA) may serve long rows where there is no AMX: a 256-token prompt row took 0.52 ms there against 1.19
-ms here in bf16, while in fp32 ours won at every length. `RowAttention` sends the rows of at least
-`long_from` new tokens to the one of them calibrate.py measured faster on the machine, and the rest to
-ours.
+numerators in tiles. On an Intel Xeon with AMX, bf16, SmolLM2's 30 layers, 2 threads, ms (bench/RESULTS.md,
+"CPU kernels"): a 2048-token prefill chunk of 8 prompts 51 against ours' 218; 32 verify rows of 5 tokens at ~300
+context 25 against 64; a decoding step (one token a row) 49 against 33, so those rows stay with ours.
+Torch's flash attention (SDPA) may serve long rows where there is no AMX: a 256-token prompt row took
+0.52 ms there against 1.19 ms here in bf16, while in fp32 ours won at every length. `RowAttention` sends
+the rows of at least `long_from` new tokens to the one of them calibrate.py measured faster on the
+machine, and the rest to ours.
 
 Scope: fp32 or bf16 stores (a bf16 model's: keys and values are widened to fp32 as they are read,
 or, on CPUs with AVX512_BF16, a decoding step's scores taken straight from the bf16 keys by the
