@@ -46,7 +46,7 @@ from ...kv.layout import visible
 from .build import choose, load_checked, loaded
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
-SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_attention_bf16.c"       # CPUs with amx_bf16: prompt rows
+SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_attention_bf16.c"       # CPUs with amx_bf16: many-token rows
 FUNCTIONS = {torch.float32: "slot_attention_f32", torch.bfloat16: "slot_attention_bf16kv"}   # per store dtype
 STORE_DTYPES = tuple(FUNCTIONS)
 
@@ -101,8 +101,9 @@ class CpuAttention:
 
 
 class AmxAttention:
-    """The loaded AMX kernel for prompt rows (csrc/amx_attention_bf16.c): bf16 queries and stores, causal rows,
-    P rounded to bf16 before its product with the values (as flash attention in bf16)."""
+    """The loaded AMX kernel for rows of several new tokens (csrc/amx_attention_bf16.c): bf16 queries and
+    stores, causal rows and token trees, P rounded to bf16 before its product with the values (as flash
+    attention in bf16)."""
 
     def __init__(self, path: Path):
         self.build = path.stem

@@ -1,6 +1,7 @@
-/* Attention of prompt rows over a bf16 slot store by AMX tiles (CPUs with amx_bf16: Intel Xeon from
- * Sapphire Rapids): the many-query rows of a prefill chunk, where slot_attention.c's vector loops are
- * bound by their arithmetic. Decoding and verify rows stay there (attention.py's RowAttention).
+/* Attention of rows of several new tokens over a bf16 slot store by AMX tiles (CPUs with amx_bf16: Intel
+ * Xeon from Sapphire Rapids): prompt chunks and verify rows, where slot_attention.c's vector loops are
+ * bound by their arithmetic. Which rows come here is measured (attention.py's RowAttention, calibrate.py);
+ * one-token decoding rows stay there.
  *
  * Built and loaded like the other kernels (build.py, attention.py); on a CPU without AMX the build fails
  * with the #error below and the runner does not offer the kernel.
@@ -9,8 +10,10 @@
  *   q, out       [num_tokens, heads, dim]          bf16, packed new tokens, row after row
  *   k_store/v    [num_slots, kv_heads, cap, dim]   bf16, the slot store
  *   rows         [4, num_rows] int64               slot, start, num_new, first packed token of each row
- * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot (causal; no token
- * trees here). Only the rows of the table are written in out.
+ *   bits         [num_tokens] int64 or NULL        token trees: the row's inputs each token sees
+ * Row r's token i sits at position start + i and sees keys 0 .. start + i of its slot; with bits, of the
+ * keys start .. start + 62 only those whose bit (key - start) is set (-1: all), as in slot_attention.c.
+ * Only the rows of the table are written in out.
  *
  * A task is (row, block of at most QBLOCK of its tokens, KV head), as in slot_attention.c. Its queries
  * j = token * groups + head-in-group go in tiles of 16 (a verify-like row of 5 tokens x 3 heads is one
