@@ -42,6 +42,7 @@ from .core.scheduler import Scheduler
 from .core.tree import children, num_leaves
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
+from .core.verify_step import PathStep
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
@@ -370,46 +371,57 @@ class SpecEngine:
     def _verify(self, batch: list[Sequence], drafts: DraftBatch,
                 walk: RoundWalk | None = None) -> tuple[HostVerifyOutput, float]:
         """One target forward over [last committed token, drafts] of every sequence, then the rule,
-        then the step's one device-to-host readback. Returns the verifier's output (host lists) and
-        the phase's seconds."""
+        then the step's one device-to-host readback: in one graph where the runner has it for the step
+        (ModelRunner.forward_verify), else the forward and then the rule. Returns the verifier's output
+        (host lists) and the phase's seconds."""
         with Stopwatch() as phase:
             inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
-            starts = [s.num_computed for s in batch]
-            logits = self.target.forward([s.slot for s in batch], starts, inputs, parents=drafts.parents)
+            starts, slots = [s.num_computed for s in batch], [s.slot for s in batch]
+            uniforms = (None if all(s.params.is_greedy for s in batch)
+                        else self._verify_uniforms(batch, drafts.num_draft))
+            with self._grammar_time:   # [sum(g + 1), words] on the host; trees: on the device
+                allowed = (walk.target_allowed(drafts.num_draft, "cpu" if not drafts.is_tree else self.target.device)
+                           if walk is not None else None)
+            out = None
+            if not drafts.is_tree:
+                out = self.target.forward_verify(slots, starts, inputs, PathStep(
+                    drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs))
+            if out is None:
+                logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
+                allowed = None if allowed is None else allowed.to(logits.device)
+                out = self._verify_rule(batch, drafts, logits, inputs, allowed, uniforms).to_host()
             for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
                 s.num_computed += len(toks)
-            with self._grammar_time:
-                allowed = walk.target_allowed(drafts.num_draft, logits.device) if walk is not None else None
-            out = self._verify_rule(batch, drafts, logits, inputs, allowed).to_host()
             if drafts.is_tree:                                  # the accepted paths' KV next to the committed
-                self.target.move_path([s.slot for s in batch], starts,
+                self.target.move_path(slots, starts,
                                       [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
         return out, phase.s
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
-                     inputs: list[list[int]], allowed: torch.Tensor | None = None) -> VerifyOutput:
-        """Greedy rule, or rejection sampling with each sequence's verify uniforms, on p processed per
-        row on that row's own prefix (the round's inputs before it), masked by `allowed` (the rows'
-        grammar masks, or None)."""
+                     inputs: list[list[int]], allowed: torch.Tensor | None = None,
+                     uniforms: tuple[torch.Tensor, torch.Tensor] | None = None) -> VerifyOutput:
+        """Greedy rule, or rejection sampling with each sequence's verify uniforms (host, drawn by
+        _verify_uniforms), on p processed per row on that row's own prefix (the round's inputs before
+        it), masked by `allowed` (the rows' grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
         greedy = [s.params.is_greedy for s in batch]
         if all(greedy):                                 # argmax only: no vocabulary-sized rows
-            target_rows, uniforms = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed), None
+            target_rows = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed)
         else:
             target_rows = row_probs(logits, row_seqs, prefixes, allowed=allowed)     # [num_draft + num_seqs, vocab]
-            uniforms = self._verify_uniforms(batch, drafts.num_draft, target_rows.device)
+            uniforms = tuple(u.to(target_rows.device) for u in uniforms)
         return verify_drafts(drafts.draft_ids, drafts.cu_num_draft, drafts.num_draft, drafts.parents, target_rows,
-                             drafts.draft_probs, greedy, uniforms)
+                             drafts.draft_probs, greedy, uniforms if not all(greedy) else None)
 
-    def _verify_uniforms(self, batch, num_draft, device):
-        """g + 1 uniforms per sampled sequence per round, from its own verify generator."""
+    def _verify_uniforms(self, batch, num_draft) -> tuple[torch.Tensor, torch.Tensor]:
+        """g + 1 uniforms per sampled sequence per round, from its own verify generator (host tensors)."""
         accept, sample = [], []
         for s, g in zip(batch, num_draft):
             u = torch.zeros(g + 1) if s.params.is_greedy else torch.rand(g + 1, generator=s.rng.verify)
             accept.append(u[:g])
             sample.append(u[g:])
-        return torch.cat(accept).to(device), torch.cat(sample).to(device)
+        return torch.cat(accept), torch.cat(sample)
 
     def _commit(self, batch: list[Sequence], guided: GuidedDraft, walk: RoundWalk | None, out: HostVerifyOutput,
                 draft_s: float, verify_s: float) -> list[RoundRecord]:

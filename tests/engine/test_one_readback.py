@@ -12,6 +12,8 @@ rows still going and reads whether any is, once per try.
 
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
+Path steps without penalties verify inside the graph (core/verify_step.py) and read back its output
+(ModelRunner.forward_verify); trees and rows with penalties verify after it (VerifyOutput.to_host).
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ def count_reads(engine, steps: int, arrivals: list[tuple[str, list[int], Samplin
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                          presence_penalty=0.2)
+FILTERED = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01)   # no penalties
 TREE = TreeParams(max_tokens=8)
 
 
@@ -122,13 +125,17 @@ def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParam
         engine.step()
     steps = count_reads(engine, 30, [(str(i + 4), p, params) for i, p in enumerate(prompts[4:])])
     assert len(steps) >= 20
+    in_graph = engine.target.graphs.num_tails
+    assert (in_graph > 0) == (params is not SAMPLED), in_graph        # penalties: verified after the graph
     return steps
 
 
 def _only_the_readback(counts: collections.Counter) -> bool:
-    """The step's reads are VerifyOutput.to_host's one."""
+    """The step's reads are its one readback: the graph's verify output (ModelRunner.forward_verify) or
+    VerifyOutput.to_host's."""
     reads = list(counts.elements())
-    return len(reads) == 1 and reads[0][0] == "tolist" and "engine/core/verify.py" in reads[0][1]
+    return len(reads) == 1 and reads[0][0] == "tolist" and (
+        "engine/core/verify.py" in reads[0][1] or "engine/model/runner.py" in reads[0][1])
 
 
 def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter, collections.Counter]:
@@ -137,18 +144,18 @@ def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter
 
 
 @pytest.mark.parametrize("kind,params,tree", [
-    ("none", GREEDY, TreeParams()), ("none", SAMPLED, TreeParams()),
-    ("ngram", GREEDY, TreeParams()), ("ngram", SAMPLED, TreeParams()),
+    ("none", GREEDY, TreeParams()), ("none", SAMPLED, TreeParams()), ("none", FILTERED, TreeParams()),
+    ("ngram", GREEDY, TreeParams()), ("ngram", SAMPLED, TreeParams()), ("ngram", FILTERED, TreeParams()),
     ("suffix", GREEDY, TreeParams()), ("suffix", SAMPLED, TreeParams()),
     ("ngram", GREEDY, TREE), ("suffix", GREEDY, TREE),
-], ids=["none-greedy", "none-sampled", "ngram-greedy", "ngram-sampled", "suffix-greedy", "suffix-sampled",
-        "ngram-tree-greedy", "suffix-tree-greedy"])
+], ids=["none-greedy", "none-sampled", "none-filtered", "ngram-greedy", "ngram-sampled", "ngram-filtered",
+        "suffix-greedy", "suffix-sampled", "ngram-tree-greedy", "suffix-tree-greedy"])
 def test_a_step_reads_the_device_back_once(models, kind, params, tree):
     for counts in _run(models, kind, params, tree):
         assert _only_the_readback(counts), dict(counts)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, FILTERED], ids=["greedy", "sampled", "filtered"])
 @pytest.mark.parametrize("kind", ["draft", "hybrid"])
 def test_a_draft_model_reads_its_proposal_once(models, kind, params):
     """Each draft step's input is the previous step's token on the device (sampled rows: with penalties,

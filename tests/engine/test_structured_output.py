@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from conftest import NEAR_TIE, make_engine, noisy_copy, tiny_llama
 from pipeline.engine import RequestError, SamplingParams, TreeParams
+from pipeline.engine.backends.cuda.graphs import UNCAPTURED
 from pipeline.engine.core.response_format import parse_response_format
 from pipeline.engine.grammar.library import Grammars, grammar_text
 from pipeline.loading.models import resolve_hf_dir
@@ -254,3 +255,28 @@ def test_bitmask_kernel_equals_its_definition(vocab):
     assert torch.equal(fast, slow) and torch.equal(torch.isinf(fast), ~allowed)
     assert torch.equal(fast[allowed], logits[allowed])
     assert not torch.isinf(fast[0]).any() if vocab <= 32 * words else torch.isinf(fast[0, 32 * words:]).all()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-prob"])
+def test_verification_inside_the_graph_under_grammars(models, grammars, tokenizer, kind):
+    """Sampled rows under grammars, with forced tokens: the engine verifying inside the graph's step
+    (core/verify_step.py, the grammar masks among its inputs) emits what it emits verifying after the
+    graph's forward, seed for seed."""
+    target, draft = models
+    outputs = []
+    for inside in (True, False):
+        engine = make_engine(target, kind, draft, max_num_seqs=4, max_model_len=160, g=4, eos=[EOS],
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), grammars=grammars,
+                             cpu_attention="off", cuda_graphs=UNCAPTURED)
+        engine.target.graphs.tails_enabled = inside
+        for i, (prompt, fmt) in enumerate(cases(tokenizer, 8)):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95,
+                                                              response_format=fmt), seed=i)
+        done, forced = {}, 0
+        while engine.has_unfinished():
+            out = engine.step()
+            done.update({c.request_id: c.output_ids for c in out.finished})
+            forced += sum(r.forced for r in out.rounds)
+        outputs.append(done)
+        assert (engine.target.graphs.num_tails > 0) == inside and forced > 0
+    assert outputs[0] == outputs[1]

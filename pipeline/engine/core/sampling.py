@@ -44,13 +44,17 @@ class RowParams:
     top_ks: tuple[int, ...] = ()     # host-side: each row's top_k, so the filters read nothing back
     any_top_p: bool = False          # host-side: some row has top_p < 1
     any_min_p: bool = False          # host-side: some row has min_p > 0
+    top_k_width: int | None = None   # host-side, where a fixed-shape step fixes it: the top-k width (at
+                                     # least every row's k; 0: no row keeps only its top k); None: from top_ks
+
+    COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty")
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "RowParams":
         """One host-to-device copy for every column. top_k travels as float32: exact below 2**24, and
         any larger value means what it did (more than the vocabulary: off)."""
-        cols = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                              p.presence_penalty, p.frequency_penalty] for p in params],
+        cols = torch.tensor([[getattr(p, c) for c in cls.COLUMNS] for p in params],
                             dtype=torch.float32).to(device).T
         return cls(
             temperature=cols[0], top_k=cols[1].long(), top_p=cols[2], min_p=cols[3],
@@ -63,6 +67,25 @@ class RowParams:
             any_top_p=any(p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
+
+    @classmethod
+    def from_columns(cls, cols: torch.Tensor, *, any_greedy: bool, top_k_width: int, any_top_p: bool,
+                     any_min_p: bool) -> "RowParams":
+        """From [len(COLUMNS), rows] float32 columns already on the device, with the host-side facts
+        given (a fixed-shape step's: core/verify_step.py). No penalties."""
+        return cls(
+            temperature=cols[0], top_k=cols[1].long(), top_p=cols[2], min_p=cols[3],
+            repetition_penalty=cols[4], presence_penalty=cols[5], frequency_penalty=cols[6],
+            is_greedy=cols[0] == 0, has_filters=bool(top_k_width or any_top_p or any_min_p),
+            has_penalties=False, any_greedy=any_greedy, any_top_p=any_top_p, any_min_p=any_min_p,
+            top_k_width=top_k_width)
+
+    def width(self, vocab: int) -> int:
+        """The top-k width the filters take (0: no row keeps only its top k)."""
+        if self.top_k_width is not None:
+            return min(self.top_k_width, vocab)
+        ks = [min(k, vocab) if k > 0 else vocab for k in self.top_ks]
+        return max(ks) if any(k < vocab for k in ks) else 0
 
 
 def token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -90,10 +113,10 @@ def _filter(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """top-k, top-p, min-p on temperature-scaled logits [rows, vocab]; removed tokens -> -inf."""
     neg_inf = torch.tensor(float("-inf"), device=logits.device)
     vocab = logits.shape[-1]
-    ks = [min(k, vocab) if k > 0 else vocab for k in rp.top_ks]       # the host's copy of k below
-    if any(k < vocab for k in ks):
+    width = rp.width(vocab)                                           # the host's bound on k below
+    if width:
         k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
-        kth = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        kth = logits.topk(width, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         logits = torch.where(logits < kth, neg_inf, logits)
     if rp.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)

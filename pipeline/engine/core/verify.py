@@ -13,7 +13,10 @@ give: COO entries, each row listing at least its own draft token). Only q(y_i) a
 first rejection are ever read, so a sparse q is never made dense beyond those rows.
 
 Ragged batches are stored flat: sequence b owns draft rows cu_num_draft[b]:cu_num_draft[b+1] and
-target rows cu_num_draft[b]+b : cu_num_draft[b+1]+b+1 (its g_b + 1 distributions).
+target rows cu_num_draft[b]+b : cu_num_draft[b+1]+b+1 (its g_b + 1 distributions). Padded batches
+(verify_step.py: every sequence given the same number of draft rows, so that shapes stay fixed) pass
+each sequence's real count as `num_valid`: rows past it are never accepted, and the final token is
+drawn as where the draft ends there.
 
 Grammars (response_format). A constrained row's p_i is the target masked by its grammar at that
 position and renormalised; the rule above then gives outputs distributed exactly as that masked
@@ -157,12 +160,13 @@ def verify(
     sample_uniforms: torch.Tensor,    # [num_seqs] in [0, 1)
     max_draft: int | None = None,     # the longest row's draft length, where the host knows it
     any_greedy: bool | None = None,   # whether is_greedy has a True, where the host knows it
+    num_valid: torch.Tensor | None = None,   # [num_seqs] padded batches: each sequence's real draft count
 ) -> VerifyOutput:
     """Apply the greedy or rejection-sampling rule to every sequence of a ragged batch. With max_draft and
     any_greedy given, nothing is read back from the device: every step below has shapes the host knows."""
     device = target_probs.device
     num_seqs, total = len(cu_num_draft) - 1, draft_ids.shape[0]
-    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]                    # [num_seqs]
+    num_draft = cu_num_draft[1:] - cu_num_draft[:-1] if num_valid is None else num_valid    # [num_seqs]
     seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft, total)
 
     p_rows = target_probs[target_row]                                   # [num_draft_tokens, vocab]
@@ -172,6 +176,8 @@ def verify(
     sampled_accept = accept_uniforms.to(p_y.dtype) * q_y < p_y
     greedy_accept = draft_ids == p_rows.argmax(dim=-1)
     is_accepted = torch.where(is_greedy[seq_of_row], greedy_accept, sampled_accept)
+    if num_valid is not None:
+        is_accepted &= pos_in_seq < num_valid[seq_of_row]
     num_accepted = first_rejections(is_accepted, cu_num_draft)          # [num_seqs]
     is_accepted &= pos_in_seq < num_accepted[seq_of_row]
 
@@ -195,14 +201,16 @@ def verify(
     return _assemble(draft_ids, cu_num_draft, is_accepted, num_accepted, final_tok, max_draft)
 
 
-def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor,
-                  target_argmax: torch.Tensor, max_draft: int | None = None) -> VerifyOutput:
+def verify_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor, target_argmax: torch.Tensor,
+                  max_draft: int | None = None, num_valid: torch.Tensor | None = None) -> VerifyOutput:
     """The greedy rule alone, from the target's argmax per row ([num_draft_tokens + num_seqs]):
     the same result as `verify` with all-greedy sequences, without touching vocabulary-sized rows."""
     device = target_argmax.device
     num_seqs = len(cu_num_draft) - 1
     seq_of_row, pos_in_seq, target_row = _flat_index(cu_num_draft, draft_ids.shape[0])
     is_accepted = draft_ids == target_argmax[target_row]
+    if num_valid is not None:
+        is_accepted &= pos_in_seq < num_valid[seq_of_row]
     num_accepted = first_rejections(is_accepted, cu_num_draft)
     is_accepted &= pos_in_seq < num_accepted[seq_of_row]
     final_tok = target_argmax[cu_num_draft[:-1] + torch.arange(num_seqs, device=device) + num_accepted]

@@ -37,6 +37,8 @@ class Kernels:
     cpu_fused: str = "auto"         # RMSNorm and silu(gate) * up as one pass each
     cpu_decoder: str = "auto"       # the forward as one loop over the three kernels above
     uncaptured_graphs: bool = False  # the CUDA graphs' padded forward run without capture (CPU tests)
+    graph_verify: bool = True       # with graphs: a verify step's logits processing and rule in its graph
+                                    # (core/verify_step.py); False: the eager rule after the graph's forward
 
     @classmethod
     def of(cls, kernels: str) -> "Kernels":

@@ -23,10 +23,12 @@ from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse, silu_mlps
 from ..backends.cpu.linear import (AMX, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, amx_kernel,
                                    amx_unavailable, can_pack, family_weights, planned_linears)
-from ..backends.cuda.graphs import UNCAPTURED, CudaCapture, StepGraphs
+from ..backends.cuda.graphs import MAX_TOKENS, UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
 from ..core.tree import is_chain
+from ..core.verify import HostVerifyOutput
+from ..core.verify_step import PathStep, Tail, tail_spec, unpack
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
@@ -256,6 +258,38 @@ class ModelRunner:
         out = self._model_forward(layout, mask, keep)
         self.num_forward_tokens += sum(num_new)
         return None if logits == "none" else out.float()                     # [kept, vocab]
+
+    @torch.inference_mode()
+    def forward_verify(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+                       step: PathStep) -> HostVerifyOutput | None:
+        """A verify step of single paths (tokens[b]: the last committed token, then step.proposals[b]):
+        the forward, the logits' processing and the rule in one graph (core/verify_step.py), its
+        result read back once. None, having run nothing, where the step does not take that path (no
+        graphs, tails off, a step past the buckets, a step the tail does not take): then `forward`
+        and the eager rule."""
+        if self.graphs is None or not self.kernels.graph_verify:
+            return None
+        spec = tail_spec(step, self.vocab_size)
+        num_new = [len(t) for t in tokens]
+        bucket = self.graphs.bucket(starts, num_new, "all") if spec is not None else None
+        if bucket is None:
+            return None
+        words = 0 if step.allowed is None else step.allowed.shape[1]
+        tail = self.graphs.tail(bucket, (spec, words), lambda: Tail(
+            bucket.rows, bucket.q, self.vocab_size, words, spec, self.device,
+            self._q_buffer() if spec.dense_q else None))
+        if tail is None:
+            return None
+        tail.load_q(step)
+        out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step))
+        self.num_forward_tokens += sum(num_new)
+        return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft)
+
+    def _q_buffer(self) -> torch.Tensor:
+        """Every tail's dense q rows ([MAX_TOKENS, vocab] float32, made on first use)."""
+        if getattr(self, "_draft_q", None) is None:
+            self._draft_q = torch.zeros(MAX_TOKENS, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self._draft_q
 
     def _model_forward(self, layout, mask: torch.Tensor | None, keep) -> torch.Tensor:
         """The model's forward over the slot store for one layout: logits of the kept packed positions

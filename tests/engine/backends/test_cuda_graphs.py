@@ -160,9 +160,10 @@ def graph_engine(target_model, draft_model, backend):
 
 @pytest.mark.parametrize("backend", [RerunCapture, NoopReplay, RaisingCapture])
 def test_capture_self_check(backend, target_model, draft_model):
-    """The capture logic over a stand-in runtime: a faithful replay keeps one graph per bucket; a replay
-    that does not reproduce the uncaptured run, or a capture that raises, switches graphs off with a
-    warning naming why. Output is HF greedy's in all three cases."""
+    """The capture logic over a stand-in runtime: a faithful replay keeps one graph per bucket (the
+    target's verify steps: forward and verification in one); a replay that does not reproduce the
+    uncaptured run, or a capture that raises, switches verification in the graph off, then graphs, with
+    a warning naming why. Output is HF greedy's in all three cases."""
     prompts = mixed_prompts(12, target_model.config.vocab_size, seed=2)
     runtime = backend()
     engine = graph_engine(target_model, draft_model, runtime)
@@ -177,7 +178,39 @@ def test_capture_self_check(backend, target_model, draft_model):
     if backend is RerunCapture:
         assert all(g.enabled and g.num_graphs > 0 for g in graphs)
         assert runtime.captures == sum(g.num_graphs for g in graphs)       # each bucket captured once
+        assert engine.target.graphs.tails_enabled and engine.target.graphs.num_tails > 0
     else:
         reason = "differs from its uncaptured run" if backend is NoopReplay else "operation not permitted"
         assert all(not g.enabled and reason in g.disabled_reason and g.num_graphs == 0 for g in graphs)
+        target = engine.target.graphs
+        assert not target.tails_enabled and reason in target.tails_disabled_reason
         assert all(g.bucket([0], [1], "last") is None for g in graphs)      # eager from then on
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft-prob"])
+def test_verification_inside_the_graph_emits_what_verification_after_it_does(kind, target_model, draft_model):
+    """Greedy and sampled rows (top-k, top-p, min-p) in one batch, one-hot and dense q: the engine
+    verifying inside the graph's step (core/verify_step.py) emits, token for token and seed for seed,
+    what it emits verifying after the graph's forward; drafts were both accepted and rejected."""
+    prompts = mixed_prompts(10, target_model.config.vocab_size, seed=4)
+    params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, top_k=20,
+                                                                           top_p=0.9),
+              SamplingParams(max_tokens=40, temperature=1.0, min_p=0.05)]
+    outputs = []
+    for inside in (True, False):
+        engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, max_model_len=128, g=4,
+                             cpu_attention="off", cuda_graphs=UNCAPTURED)
+        engine.target.graphs.tails_enabled = inside
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params[i % 3], seed=i)
+        done, rounds = {}, []
+        while engine.has_unfinished():
+            out = engine.step()
+            done.update({c.request_id: c.output_ids for c in out.finished})
+            rounds += out.rounds
+        outputs.append(done)
+        assert (engine.target.graphs.num_tails > 0) == inside
+        if kind != "none":
+            accepted, drafted = sum(r.accepted for r in rounds), sum(r.draft_len for r in rounds)
+            assert 0 < accepted < drafted
+    assert outputs[0] == outputs[1]

@@ -22,6 +22,12 @@ A graph fixes shapes and addresses, so a step is padded to a bucket:
             filled by one host-to-device copy per step; the logits land in one output
             buffer shared by every graph, so a captured graph keeps no vocabulary-sized tensor
 
+A verify step's graph may also hold a tail: a function of every position's logits with static
+inputs of its own (core/verify_step.py: logits processing and the verifier's rule), so that the step
+replays forward and verification together and the host reads back one small buffer, not logits. Its
+inputs travel in the forward's one host-to-device copy. A tail whose capture raises or whose replay
+differs from its uncaptured run turns tails off (verification then runs after the forward's graph).
+
 Attention inside a graph is the padded path of kv_cache.slot_attention, its float mask built in the
 graph from the positions: static shapes, no host sync. A step with token trees (kv/layout.py's
 TreeRows) has buckets of its own, whose mask also reads the rows' starts and the tokens' bits. Prefill (logits "none") and steps past the
@@ -158,6 +164,10 @@ class StepGraphs:
         self._states: dict[Bucket, _BucketState] = {}
         self._out: torch.Tensor | None = None        # [MAX_TOKENS, vocab], every graph's logits
         self.num_replays = 0                         # steps served by a graph (or its uncaptured twin)
+        self.num_tails = 0                           # of them, steps whose graph also ran a tail
+        self.tails_enabled = True
+        self.tails_disabled_reason: str | None = None
+        self._tails: dict = {}                       # (bucket, key) -> tail
         self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
 
     @staticmethod
@@ -190,32 +200,11 @@ class StepGraphs:
         "all", each real row's last token for "last"), from the bucket's graph. parents: the rows'
         token trees (kv/layout.py's make_layout), for a tree bucket. last_tokens: [rows] on the device,
         each row's last token in place of tokens[b][-1] (ModelRunner.forward)."""
-        state = self._states.get(bucket)
-        if state is None:
-            state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
-        rows, q = bucket.rows, bucket.q
-        pad_rows = rows - len(slots)
-        ids, positions, real, write_pos, bits = [], [], [], [], []
-        for b, (start, row) in enumerate(zip(starts, tokens)):
-            ids += row + [row[-1]] * (q - len(row))
-            tree = parents[b] if parents is not None else None
-            offsets = [0] + depths(tree) if tree is not None else []
-            positions += [start + (offsets[i] if i < len(offsets) else i) for i in range(q)]
-            write_pos += range(start, start + q)
-            own = visible_inputs(tree) if tree is not None else []
-            bits += own + [-1] * (q - len(own))
-            real += range(b * q, b * q + len(row)) if bucket.logits == "all" else [b]
-        ids += [0] * (pad_rows * q)
-        positions += list(range(q)) * pad_rows
-        row_ends = [b * q + len(row) - 1 for b, row in enumerate(tokens)] + [b * q + q - 1 for b in range(len(tokens), rows)]
-        table = (slots + [self.spare_slot] * pad_rows + starts + [0] * pad_rows + [q] * rows
-                 + [b * q for b in range(rows)])
-        tree_part = write_pos + list(range(q)) * pad_rows + bits + [-1] * (pad_rows * q) if bucket.tree else []
-        host = torch.tensor(ids + table + positions + row_ends + tree_part + real, dtype=torch.long)
-        staged = host.to(self.device)
-        fixed = state.buffer.numel()
-        state.buffer.copy_(staged[:fixed])
-        real_idx = staged[fixed:]
+        state = self._state(bucket)
+        real = [i for b, row in enumerate(tokens)
+                for i in (range(b * bucket.q, b * bucket.q + len(row)) if bucket.logits == "all" else [b])]
+        staged = self._stage(state, slots, starts, tokens, parents, torch.tensor(real, dtype=torch.long))
+        real_idx = staged[state.buffer.numel():]
         if last_tokens is not None:                  # the ids lead the buffer: row b's last at b * q + n_b - 1
             state.buffer.index_copy_(0, state.layout.row_ends[:len(tokens)].clone(), last_tokens)
         self.num_replays += 1
@@ -226,6 +215,73 @@ class StepGraphs:
             return self._capture(state, real_idx)
         state.replay()
         return self._real(bucket, real_idx)
+
+    def tail(self, bucket: Bucket, key, make: Callable[[], "object"]):
+        """The tail kept for (bucket, key), made by make() on first use; None where tails are off. A tail (core/verify_step.py's Tail) has static inputs in `buffer` (uint8), an output
+        `out`, a `run(logits)` over every position's logits and a `replay` slot for its graph."""
+        if not self.tails_enabled or bucket.logits != "all":
+            return None
+        tail = self._tails.get((bucket, key))
+        if tail is None:
+            tail = self._tails[(bucket, key)] = make()
+        return tail
+
+    def forward_tail(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
+                     tail, tail_bytes: torch.Tensor) -> torch.Tensor:
+        """The step's forward and then `tail` (from `tail()`) on its logits, as one graph: the forward's
+        inputs and `tail_bytes` (uint8, the tail's inputs) arrive by one host-to-device copy. Returns
+        the tail's output buffer on the device."""
+        state = self._state(bucket)
+        staged = self._stage(state, slots, starts, tokens, None, tail_bytes)
+        tail.buffer.copy_(staged[8 * state.buffer.numel():])
+        self.num_replays += 1
+        self.num_tails += 1
+        run = lambda: (self._run(state), tail.run(self._out[:bucket.tokens]))
+        if self.capture is None:
+            run()
+        elif tail.replay is None:
+            self._capture_tail(state, tail, run)
+        else:
+            tail.replay()
+        return tail.out
+
+    def _state(self, bucket: Bucket) -> _BucketState:
+        state = self._states.get(bucket)
+        if state is None:
+            state = self._states[bucket] = _BucketState(bucket, self.spare_slot, self.device)
+        return state
+
+    def _stage(self, state: _BucketState, slots, starts, tokens, parents, extra: torch.Tensor) -> torch.Tensor:
+        """One host-to-device copy of the bucket's inputs and `extra` (int64: the real rows' logits
+        index, staged after them; uint8: a tail's inputs, staged as bytes after them); the bucket's
+        buffer filled from it. Returns the staged tensor (uint8 where extra is)."""
+        bucket = state.bucket
+        rows, q = bucket.rows, bucket.q
+        pad_rows = rows - len(slots)
+        ids, positions, write_pos, bits = [], [], [], []
+        for b, (start, row) in enumerate(zip(starts, tokens)):
+            ids += row + [row[-1]] * (q - len(row))
+            tree = parents[b] if parents is not None else None
+            offsets = [0] + depths(tree) if tree is not None else []
+            positions += [start + (offsets[i] if i < len(offsets) else i) for i in range(q)]
+            write_pos += range(start, start + q)
+            own = visible_inputs(tree) if tree is not None else []
+            bits += own + [-1] * (q - len(own))
+        ids += [0] * (pad_rows * q)
+        positions += list(range(q)) * pad_rows
+        row_ends = [b * q + len(row) - 1 for b, row in enumerate(tokens)] + [b * q + q - 1 for b in range(len(tokens), rows)]
+        table = (slots + [self.spare_slot] * pad_rows + starts + [0] * pad_rows + [q] * rows
+                 + [b * q for b in range(rows)])
+        tree_part = write_pos + list(range(q)) * pad_rows + bits + [-1] * (pad_rows * q) if bucket.tree else []
+        host = torch.tensor(ids + table + positions + row_ends + tree_part, dtype=torch.long)
+        fixed = state.buffer.numel()
+        if extra.dtype == torch.uint8:
+            staged = torch.cat([host.view(torch.uint8), extra]).to(self.device)
+            state.buffer.copy_(staged[:8 * fixed].view(torch.long))
+        else:
+            staged = torch.cat([host, extra]).to(self.device)
+            state.buffer.copy_(staged[:fixed])
+        return staged
 
     def _run(self, state: _BucketState) -> None:
         """The bucket's forward on its static buffers; its logits into the shared output buffer."""
@@ -267,12 +323,48 @@ class StepGraphs:
         state.replay = replay
         return replayed
 
+    def _capture_tail(self, state: _BucketState, tail, run: Callable[[], None]) -> None:
+        """First use of a (bucket, tail): as _capture, the forward and the tail as one graph, kept only
+        if its replay gives the uncaptured run's logits (as _capture_checked) and exactly its output.
+        A failure turns tails off (the forward's graphs stay) and leaves the uncaptured run's output."""
+        t0 = time.perf_counter()
+        try:
+            self.capture.warm_up(run)
+            reference, logits = tail.out.clone(), self._out[:state.bucket.tokens].clone()
+            self._out.fill_(float("nan"))
+            tail.out.fill_(-2)
+            try:
+                replay = self.capture.capture(run)
+                replay()
+            except Exception as exc:       # tails off, never a wrong result
+                self._disable_tails(f"capturing {state.bucket} with its tail raised {type(exc).__name__}: {exc}")
+                tail.out.copy_(reference)
+                return
+            scale = logits.abs().max().clamp(min=1.0)
+            same = torch.equal(tail.out, reference) and bool(
+                ((self._out[:state.bucket.tokens] - logits).abs().max() <= 1e-3 * scale).item())
+            if not same:
+                self._disable_tails(f"the replay of {state.bucket} with its tail differs from its uncaptured run")
+                tail.out.copy_(reference)
+                return
+            tail.replay = replay
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _disable_tails(self, reason: str) -> None:
+        self.tails_enabled, self.tails_disabled_reason = False, reason
+        self._tails.clear()
+        warnings.warn(f"verification runs after the graph's forward for this model: {reason}", RuntimeWarning,
+                      stacklevel=4)
+
     def _disable(self, reason: str) -> None:
         self.enabled, self.disabled_reason = False, reason
         self._states.clear()
+        self._tails.clear()
         warnings.warn(f"CUDA graphs off for this model: {reason}; its steps run eagerly", RuntimeWarning,
                       stacklevel=3)
 
     @property
     def num_graphs(self) -> int:
-        return sum(s.replay is not None for s in self._states.values())
+        return (sum(s.replay is not None for s in self._states.values())
+                + sum(t.replay is not None for t in self._tails.values()))

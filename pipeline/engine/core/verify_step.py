@@ -1,0 +1,180 @@
+"""A verify step at fixed shapes: the target's logits processed and the verifier's rule applied to rows
+padded to a common length, so that both run on the device right after the step's forward (inside its
+CUDA graph: backends/cuda/graphs.py) and the step reads back one buffer.
+
+  padded step  R rows of Q inputs each (the graph bucket's rows and tokens per row). Row b's inputs are
+               its last committed token and its g_b <= Q - 1 draft tokens, then pad tokens; a pad row
+               (past the step's real rows) drafts nothing. Its logits are all R * Q positions in that
+               order: verify.py's flat layout with every row given Q - 1 draft rows, g_b of them real.
+  spec         what fixes the tail's kernels besides the bucket (TailSpec): whether all, some or none of
+               the rows are greedy, the top-k width, top-p, min-p, grammar masks, a dense q. Steps with
+               the same bucket and spec run the same kernels (on a GPU: replay the same graph).
+  inputs       a step's host data as one byte string (Tail.host_bytes): draft ids and counts (int64),
+               the rows' sampling columns and the uniforms (float32), grammar bit masks (int32); it
+               travels in the step's one host-to-device copy. A dense q (a draft model's, already on
+               the device) is copied device to device (Tail.load_q).
+  output       one int64 buffer [R + R*Q + R*(Q-1)]: accepted counts, output ids ([R, Q], -1 padded),
+               the per-position acceptance ([R, Q-1]); `unpack` turns the real rows of its host copy
+               into the rule's HostVerifyOutput.
+
+The result is the eager rule's (verify_rule.py over the real rows), token for token: each row is
+processed alone (sampling.py, with the step's batch facts taken from its real rows), the uniforms are
+the same, and verify.py is told each row's real draft count (`num_valid`), past which nothing is
+accepted and the final token is drawn as where the draft ends.
+
+Steps the tail does not take (`tail_spec` gives None) run the eager rule after the graph's forward:
+penalties (their counts follow each row's history, of any length), a sparse q (its support size
+varies), token trees.
+
+This module knows nothing about models, graphs or requests beyond their sampling parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import SamplingParams
+from .sampling import RowParams, greedy_tokens, processed_probs
+from .verify import HostVerifyOutput, SparseProbs, verify, verify_greedy
+
+_PAD_COLUMNS = dict(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                    presence_penalty=0.0, frequency_penalty=0.0)     # pad rows: any valid values do
+
+
+@dataclass(frozen=True)
+class TailSpec:
+    greedy: str        # "all" | "some" | "none": rows under the greedy rule
+    top_k: int         # the top-k width (a power of two, at most the vocabulary); 0: no row keeps only its top k
+    top_p: bool
+    min_p: bool
+    grammar: bool      # grammar bit masks per target row
+    dense_q: bool      # a draft model's q ([num_draft_tokens, vocab] on the device); False: one-hot drafts
+
+
+@dataclass
+class PathStep:
+    """A verify step's host data: single paths only."""
+    proposals: list[list[int]]                              # each row's draft tokens
+    params: list[SamplingParams]                            # each row's sampling parameters
+    uniforms: tuple[torch.Tensor, torch.Tensor] | None      # host (accept [sum g], sample [rows]) where any
+                                                            # row samples (the engine's draws)
+    allowed: torch.Tensor | None                            # host [sum(g + 1), words] int32 grammar masks
+    draft_probs: torch.Tensor | SparseProbs | None          # q: dense on the device, sparse, None (one-hot)
+
+    @property
+    def num_draft(self) -> list[int]:
+        return [len(p) for p in self.proposals]
+
+
+def tail_spec(step: PathStep, vocab: int) -> TailSpec | None:
+    """The spec of a step's tail, or None where the eager rule runs it (penalties, a sparse q). The
+    batch facts are the ones RowParams.from_params takes from the same rows."""
+    params = step.params
+    if isinstance(step.draft_probs, SparseProbs) or any(p.has_penalties for p in params):
+        return None
+    greedy = [p.is_greedy for p in params]
+    kind = "all" if all(greedy) else "some" if any(greedy) else "none"
+    filters = kind != "all" and any(p.has_filters and not p.is_greedy for p in params)
+    width = 0
+    if filters:
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        if any(k < vocab for k in ks):
+            width = min(1 << (max(ks) - 1).bit_length(), vocab)
+    return TailSpec(kind, width, filters and any(p.top_p < 1 for p in params),
+                    filters and any(p.min_p > 0 for p in params), step.allowed is not None,
+                    kind != "all" and step.draft_probs is not None)
+
+
+def _padded(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+class Tail:
+    """One (rows, Q, spec)'s static inputs and output on the device, and the tail itself (`run`)."""
+
+    def __init__(self, rows: int, q: int, vocab: int, words: int, spec: TailSpec, device,
+                 q_buffer: torch.Tensor | None = None):
+        self.rows, self.q, self.vocab, self.words, self.spec = rows, q, vocab, words, spec
+        g = q - 1
+        self.sizes = (rows * g + rows, len(RowParams.COLUMNS) * rows * q + rows * g + rows,
+                      rows * q * words if spec.grammar else 0)          # int64, float32, int32 elements
+        self.offsets = [0, _padded(8 * self.sizes[0])]
+        self.offsets.append(self.offsets[1] + _padded(4 * self.sizes[1]))
+        self.nbytes = self.offsets[2] + _padded(4 * self.sizes[2])
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        ints, floats, bits = (self.buffer[o:o + n * w].view(t) for o, n, w, t in zip(
+            self.offsets, self.sizes, (8, 4, 4), (torch.int64, torch.float32, torch.int32)))
+        self.draft_ids, self.num_draft = ints.split([rows * g, rows])
+        cols, self.accept_u, self.sample_u = floats.split([len(RowParams.COLUMNS) * rows * q, rows * g, rows])
+        self.cols = cols.view(len(RowParams.COLUMNS), rows * q)
+        self.bits = bits.view(rows * q, words) if spec.grammar else None
+        self.cu = torch.arange(rows + 1, device=device) * g
+        self.draft_q = q_buffer[:rows * g] if spec.dense_q else None
+        self.out = torch.zeros(rows + rows * q + rows * g, dtype=torch.long, device=device)
+        self.replay = None          # a graph's replay, once captured and checked (backends/cuda/graphs.py)
+
+    def host_bytes(self, step: PathStep) -> torch.Tensor:
+        """The step's inputs as the buffer's bytes (uint8, on the host)."""
+        rows, q, g = self.rows, self.q, self.q - 1
+        num = step.num_draft
+        ids = [t for p in step.proposals for t in p + [0] * (g - len(p))] + [0] * ((rows - len(num)) * g)
+        ints = torch.tensor(ids + num + [0] * (rows - len(num)), dtype=torch.int64)
+        pad = [_PAD_COLUMNS[c] for c in RowParams.COLUMNS]
+        cols = [[getattr(p, c) for c in RowParams.COLUMNS] for p in step.params for _ in range(q)]
+        cols = torch.tensor(cols + [pad] * ((rows - len(num)) * q), dtype=torch.float32).T.reshape(-1)
+        accept, sample = torch.zeros(rows, g), torch.zeros(rows)
+        if step.uniforms is not None:
+            cu = [0]
+            for n in num:
+                cu.append(cu[-1] + n)
+            for b, n in enumerate(num):
+                accept[b, :n] = step.uniforms[0][cu[b]:cu[b] + n]
+            sample[:len(num)] = step.uniforms[1]
+        parts = [ints, torch.cat([cols, accept.reshape(-1), sample])]
+        if self.spec.grammar:
+            bits = torch.full((rows, q, self.words), -1, dtype=torch.int32)
+            r = 0
+            for b, n in enumerate(num):
+                bits[b, :n + 1] = step.allowed[r:r + n + 1]
+                r += n + 1
+            parts.append(bits.reshape(-1))
+        out = torch.zeros(self.nbytes, dtype=torch.uint8)
+        for o, part in zip(self.offsets, parts):
+            raw = part.view(torch.uint8)
+            out[o:o + raw.numel()] = raw
+        return out
+
+    def load_q(self, step: PathStep) -> None:
+        """A dense q into its padded rows (device to device; rows past a row's drafts keep stale values,
+        which the rule never reads)."""
+        if self.draft_q is None:
+            return
+        g = self.q - 1
+        index = [b * g + i for b, n in enumerate(step.num_draft) for i in range(n)]
+        if index:
+            self.draft_q.index_copy_(0, torch.tensor(index, device=self.draft_q.device),
+                                     step.draft_probs.to(self.draft_q.dtype))
+
+    def run(self, logits: torch.Tensor) -> None:
+        """The tail over the step's logits [R*Q, vocab]; the result into `out`. Reads nothing back."""
+        spec, rows, g = self.spec, self.rows, self.q - 1
+        rp = RowParams.from_columns(self.cols, any_greedy=spec.greedy != "none", top_k_width=spec.top_k,
+                                    any_top_p=spec.top_p, any_min_p=spec.min_p)
+        if spec.greedy == "all":
+            out = verify_greedy(self.draft_ids, self.cu, greedy_tokens(logits, rp, allowed=self.bits),
+                                max_draft=g, num_valid=self.num_draft)
+        else:
+            probs = processed_probs(logits, rp, allowed=self.bits)
+            is_greedy = rp.is_greedy.view(rows, self.q)[:, 0]
+            out = verify(self.draft_ids, self.cu, probs, self.draft_q, is_greedy, self.accept_u, self.sample_u,
+                         max_draft=g, any_greedy=spec.greedy == "some", num_valid=self.num_draft)
+        torch.cat([out.num_accepted, out.output_ids.reshape(-1), out.is_accepted.long()], out=self.out)
+
+
+def unpack(packed: list[int], rows: int, q: int, num_draft: list[int]) -> HostVerifyOutput:
+    """The real rows of a tail's output (its host copy) as the rule's HostVerifyOutput."""
+    g, n = q - 1, len(num_draft)
+    base = rows + rows * q
+    return HostVerifyOutput(packed[:n], [packed[rows + b * q:rows + (b + 1) * q] for b in range(n)],
+                            [bool(a) for b, k in enumerate(num_draft) for a in packed[base + b * g:base + b * g + k]])
