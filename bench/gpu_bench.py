@@ -213,9 +213,11 @@ def drive(engine: SpecEngine, prompts, params: SamplingParams, prefix: str, dead
 def graph_stats(graphs) -> dict:
     """The target runner's CUDA graphs so far (all zero where it has none)."""
     if graphs is None:
-        return {"graphs_captured": 0, "graph_steps": 0, "graph_capture_s": 0.0, "graphs_off_because": None}
+        return {"graphs_captured": 0, "graph_steps": 0, "graph_verify_steps": 0, "graph_capture_s": 0.0,
+                "graphs_off_because": None, "graph_verify_off_because": None}
     return {"graphs_captured": graphs.num_graphs, "graph_steps": graphs.num_replays,
-            "graph_capture_s": graphs.capture_s, "graphs_off_because": graphs.disabled_reason}
+            "graph_verify_steps": graphs.num_tails, "graph_capture_s": graphs.capture_s,
+            "graphs_off_because": graphs.disabled_reason, "graph_verify_off_because": graphs.tails_disabled_reason}
 
 
 def dynamo_graphs() -> int:
@@ -286,8 +288,10 @@ def describe(name: str, r: dict) -> str:
     cut = f" (cut at {r['wall_s']:.0f} s: {r['finished']}/{r['num_prompts']} done)" if r["timed_out"] else ""
     graphs = (f" graphs={r['cuda_graphs']}({r['graphs_captured']} captured in {r['graph_capture_s']:.1f} s, "
               f"{r['timed_capture_s']:.1f} s of it timed: {r['tokens_per_s_without_capture']:.1f} tok/s without, "
-              f"{r['graph_steps']} steps"
-              + (f"; OFF: {r['graphs_off_because']}" if r["graphs_off_because"] else "") + ")")
+              f"{r['graph_steps']} steps, {r['graph_verify_steps']} verifying inside"
+              + (f"; OFF: {r['graphs_off_because']}" if r["graphs_off_because"] else "")
+              + (f"; verification after the graph: {r['graph_verify_off_because']}"
+                 if r["graph_verify_off_because"] else "") + ")")
     timed = f", {r['compiles_timed']} compiles timed" if r.get("compiles_timed") else ""
     return (f"{name}{graphs} compile={r['compile']}({r['attention']}) batch={r['batch']} drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "

@@ -65,6 +65,9 @@ def assert_on_cuda(engine, compile: str, graphs: bool) -> None:
             assert g is not None and g.capture is not None, "CUDA graphs were not set up"
             assert g.enabled, f"CUDA graphs switched off: {g.disabled_reason}"
             assert g.num_graphs > 0 and g.num_replays > 0
+            if runner is engine.target:     # its verify steps: forward and verification in one graph
+                assert g.tails_enabled, f"verification inside the graph switched off: {g.tails_disabled_reason}"
+                assert g.num_tails > 0
         else:
             assert runner.graphs is None
 
@@ -120,6 +123,28 @@ def test_sampling_on_cuda_reproduces(kind, compile, cuda_target, cuda_draft):
     assert sample(cuda_target, cuda_draft, kind, compile, prompts, seeds) == (first, accepted)
     # other seeds must sample other tokens somewhere, or the seeds were ignored
     assert sample(cuda_target, cuda_draft, kind, compile, prompts, [s + 1000 for s in seeds])[0] != first
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-prob"])
+def test_verification_inside_the_captured_graph_on_cuda(kind, cuda_target, cuda_draft):
+    """Greedy and sampled rows (top-k) in one batch on captured graphs: verifying inside the graph
+    emits, seed for seed, what verifying after the graph's forward does."""
+    vocab = cuda_target.config.vocab_size
+    prompts = mixed_prompts(12, vocab, seed=3)
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.8, top_k=30)]
+    outputs = []
+    for inside in (True, False):
+        engine = make_engine(cuda_target, kind, cuda_draft, max_num_seqs=4, max_model_len=128, g=4, cuda_graphs="on")
+        engine.target.graphs.tails_enabled = inside
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params[i % 2], seed=i)
+        done = {}
+        while engine.has_unfinished():
+            done.update({c.request_id: c.output_ids for c in engine.step().finished})
+        outputs.append(done)
+        g = engine.target.graphs
+        assert g.enabled and g.tails_disabled_reason is None and (g.num_tails > 0) == inside
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])

@@ -98,7 +98,8 @@ class ModelRunner:
         # The graphs replay the model's forward with torch's padded attention: not where our CPU kernels
         # (or the CPU loop over them) take every forward.
         self.graphs = (StepGraphs(self._model_forward, self.num_groups, self.dtype, self.device, num_slots,
-                                  self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None)
+                                  self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None,
+                                  self._flex_tables if self.flex else None)
                        if chosen.graphs and self.decoder is None and self.cpu_attention is None else None)
         self.plan = self._plan(chosen)
         if measure:
@@ -284,6 +285,12 @@ class ModelRunner:
         out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step))
         self.num_forward_tokens += sum(num_new)
         return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft)
+
+    def _flex_tables(self, layout) -> tuple[torch.Tensor, ...]:
+        """FlexAttention's block tables for a layout, from its row table on the device (the graphs'
+        attention by lengths)."""
+        return block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
+                            layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=layout.tree is not None)
 
     def _q_buffer(self) -> torch.Tensor:
         """Every tail's dense q rows ([MAX_TOKENS, vocab] float32, made on first use)."""

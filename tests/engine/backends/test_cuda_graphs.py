@@ -13,18 +13,19 @@ import pytest
 import torch
 
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
-from pipeline.engine import SamplingParams
+from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.backends.cuda.graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
 from pipeline.engine.model.runner import build_runner
 
 VOCAB = 512
 
 
-def runners(num_slots: int, max_len: int):
+def runners(num_slots: int, max_len: int, compile: str = "off"):
+    """The eager runner (padded SDPA) and the graph path's, with attention by lengths where compile is on."""
     model = tiny_llama()
-    make = lambda mode: build_runner(copy.deepcopy(model), num_slots, max_len, packed_linear=False,
-                                    cpu_attention="off", cuda_graphs=mode)
-    return make("off"), make(UNCAPTURED)
+    make = lambda mode, compile="off": build_runner(copy.deepcopy(model), num_slots, max_len, packed_linear=False,
+                                                    cpu_attention="off", cuda_graphs=mode, compile=compile)
+    return make("off"), make(UNCAPTURED, compile)
 
 
 def test_policy_and_store():
@@ -55,12 +56,19 @@ def test_buckets():
     assert big.graphs.bucket([0] * 128, [MAX_TOKENS // 128 + 1] * 128, "all") is None
 
 
-def test_logits_equal_eager_over_a_run_of_steps():
+@pytest.mark.parametrize("compile", ["off", "on"], ids=["padded", "by-lengths"])
+def test_logits_equal_eager_over_a_run_of_steps(compile, monkeypatch):
     """Ragged verify-like steps over non-contiguous slots, rows not a power of two, rows ending at
     max_model_len (pad tokens run into the extra positions), "all" and "last", with rollbacks: each
-    step's logits equal the eager runner's, so the pad tokens' KV never leaks into a real row."""
+    step's logits equal the eager runner's, so the pad tokens' KV never leaks into a real row. By
+    lengths: the graphs' attention is FlexAttention over block tables built from the row table, and
+    no mask over the keys bucket is made."""
     max_len = 120
-    eager, graphs = runners(5, max_len)
+    eager, graphs = runners(5, max_len, compile)
+    if compile == "on":
+        from pipeline.engine.backends.cuda import graphs as graphs_module
+        assert graphs.graphs.flex_tables is not None
+        monkeypatch.setattr(graphs_module, "attention_masks", lambda *a: pytest.fail("a mask over padded keys"))
     gen = torch.Generator().manual_seed(0)
     slots = [4, 0, 2]
     history = {s: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for s, n in zip(slots, (40, 7, 110))}
@@ -214,3 +222,40 @@ def test_verification_inside_the_graph_emits_what_verification_after_it_does(kin
             accepted, drafted = sum(r.accepted for r in rounds), sum(r.draft_len for r in rounds)
             assert 0 < accepted < drafted
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["paths", "trees"])
+def test_greedy_identity_with_attention_by_lengths_in_the_graph_path(tree, target_model):
+    """compile on: the graph path's attention is FlexAttention from the row table (paths, and trees with
+    their visibility bits); greedy output is HF `generate`'s, verification inside the graph."""
+    prompts = mixed_prompts(8, target_model.config.vocab_size, seed=6)
+    engine = make_engine(target_model, "ngram", None, max_num_seqs=3, max_model_len=128, g=4, compile="on",
+                         cpu_attention="off", cuda_graphs=UNCAPTURED,
+                         tree=TreeParams(max_tokens=8, max_branches=3) if tree else TreeParams())
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0), arrive_every=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, p, 24), f"prompt {i}"
+    g = engine.target.graphs
+    assert g.flex_tables is not None and g.num_replays > 0 and g.num_tails > 0
+    assert sum(r.accepted for r in rounds) > 0
+    if tree:
+        assert max(r.paths for r in rounds) > 1
+
+
+def test_a_failed_capture_turns_attention_by_lengths_off_first(target_model, draft_model):
+    """Over a runtime whose capture raises, with compile on: attention by lengths goes first, then
+    verification inside the graph, then graphs, each with a warning; output is HF greedy's."""
+    prompts = mixed_prompts(6, target_model.config.vocab_size, seed=2)
+    engine = make_engine(target_model, "ngram", None, max_num_seqs=3, max_model_len=128, g=4, compile="on",
+                         cpu_attention="off", cuda_graphs=UNCAPTURED)
+    engine.target.graphs.capture = RaisingCapture()
+    with pytest.warns(RuntimeWarning) as caught:
+        done, _ = run_requests(engine, prompts, SamplingParams(max_tokens=16, temperature=0), arrive_every=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].output_ids == greedy_reference(target_model, p, 16), f"prompt {i}"
+    said = [str(w.message) for w in caught]
+    order = [next(i for i, m in enumerate(said) if m.startswith(start)) for start in (
+        "attention by lengths off", "verification runs after the graph", "CUDA graphs off")]
+    assert order == sorted(order), said
+    g = engine.target.graphs
+    assert g.flex_tables is None and not g.tails_enabled and not g.enabled

@@ -28,8 +28,12 @@ replays forward and verification together and the host reads back one small buff
 inputs travel in the forward's one host-to-device copy. A tail whose capture raises or whose replay
 differs from its uncaptured run turns tails off (verification then runs after the forward's graph).
 
-Attention inside a graph is the padded path of kv_cache.slot_attention, its float mask built in the
-graph from the positions: static shapes, no host sync. A step with token trees (kv/layout.py's
+Attention inside a graph goes by lengths where the runner has FlexAttention (backends/flex.py): the
+block tables are built in the graph from the row table (each row's slot, start and tokens), so a row
+reads its own key blocks and nothing is gathered or masked over the keys bucket, which is then one
+size (the store's) for every step. Elsewhere it is the padded path of kv_cache.slot_attention, its
+float mask built in the graph from the positions. Static shapes, no host sync, either way. A capture
+that fails with attention by lengths turns that off first (the padded path is captured next). A step with token trees (kv/layout.py's
 TreeRows) has buckets of its own, whose mask also reads the rows' starts and the tokens' bits. Prefill (logits "none") and steps past the
 largest bucket run eagerly, as do all steps where graphs are off.
 
@@ -152,8 +156,10 @@ class StepGraphs:
 
     def __init__(self, forward_fn: Callable[[StepLayout, torch.Tensor, object], torch.Tensor],
                  num_groups: int, dtype: torch.dtype, device: torch.device, num_slots: int, store_len: int,
-                 capture: CudaCapture | None = None):
+                 capture: CudaCapture | None = None,
+                 flex_tables: Callable[[StepLayout], tuple] | None = None):
         self.forward_fn = forward_fn
+        self.flex_tables = flex_tables               # the layout's FlexAttention block tables; None: padded mask
         self.num_groups, self.dtype, self.device = num_groups, dtype, device
         self.spare_slot = num_slots                  # the store holds num_slots + 1 slots
         self.max_rows = num_slots
@@ -167,6 +173,7 @@ class StepGraphs:
         self.num_tails = 0                           # of them, steps whose graph also ran a tail
         self.tails_enabled = True
         self.tails_disabled_reason: str | None = None
+        self.flex_off_reason: str | None = None
         self._tails: dict = {}                       # (bucket, key) -> tail
         self.capture_s = 0.0                         # seconds spent in first uses: reference run, capture, check
 
@@ -189,8 +196,8 @@ class StepGraphs:
         if q > MAX_Q or rows * q > MAX_TOKENS:
             return None
         rows = min(rows, self.max_rows)
-        keys = min(max(MIN_KEYS, 1 << (max(s + n for s, n in zip(starts, num_new)) - 1).bit_length()),
-                   self.store_len)
+        keys = self.store_len if self.flex_tables is not None else min(
+            max(MIN_KEYS, 1 << (max(s + n for s, n in zip(starts, num_new)) - 1).bit_length()), self.store_len)
         return Bucket(rows, q, keys, logits, tree)
 
     def forward(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -286,7 +293,11 @@ class StepGraphs:
     def _run(self, state: _BucketState) -> None:
         """The bucket's forward on its static buffers; its logits into the shared output buffer."""
         lay = state.layout
-        mask, _ = attention_masks(lay, self.num_groups, self.dtype)
+        if self.flex_tables is not None:
+            lay.flex, mask = self.flex_tables(lay), None
+        else:
+            lay.flex = None
+            mask, _ = attention_masks(lay, self.num_groups, self.dtype)
         keep = 0 if state.bucket.logits == "all" else lay.row_ends
         logits = self.forward_fn(lay, mask, keep)                              # [kept, vocab]
         if self._out is None:
@@ -313,12 +324,12 @@ class StepGraphs:
             replay = self.capture.capture(lambda: self._run(state))
             replay()
         except Exception as exc:           # any failure to capture: eager from now on, never a wrong result
-            self._disable(f"capturing {state.bucket} raised {type(exc).__name__}: {exc}")
+            self._fail(f"capturing {state.bucket} raised {type(exc).__name__}: {exc}", self._disable)
             return reference
         replayed = self._real(state.bucket, real_idx)
         scale = reference.abs().max().clamp(min=1.0)
         if not bool(((replayed - reference).abs().max() <= 1e-3 * scale).item()):
-            self._disable(f"the replay of {state.bucket} differs from its uncaptured run")
+            self._fail(f"the replay of {state.bucket} differs from its uncaptured run", self._disable)
             return reference
         state.replay = replay
         return replayed
@@ -337,19 +348,33 @@ class StepGraphs:
                 replay = self.capture.capture(run)
                 replay()
             except Exception as exc:       # tails off, never a wrong result
-                self._disable_tails(f"capturing {state.bucket} with its tail raised {type(exc).__name__}: {exc}")
+                self._fail(f"capturing {state.bucket} with its tail raised {type(exc).__name__}: {exc}",
+                           self._disable_tails)
                 tail.out.copy_(reference)
                 return
             scale = logits.abs().max().clamp(min=1.0)
             same = torch.equal(tail.out, reference) and bool(
                 ((self._out[:state.bucket.tokens] - logits).abs().max() <= 1e-3 * scale).item())
             if not same:
-                self._disable_tails(f"the replay of {state.bucket} with its tail differs from its uncaptured run")
+                self._fail(f"the replay of {state.bucket} with its tail differs from its uncaptured run",
+                           self._disable_tails)
                 tail.out.copy_(reference)
                 return
             tail.replay = replay
         finally:
             self.capture_s += time.perf_counter() - t0
+
+    def _fail(self, reason: str, otherwise: Callable[[str], None]) -> None:
+        """A capture failed: attention by lengths off where it was on (every graph so far dropped, the
+        padded path captured next), else `otherwise(reason)`."""
+        if self.flex_tables is None:
+            otherwise(reason)
+            return
+        self.flex_tables, self.flex_off_reason = None, reason
+        self._states.clear()
+        self._tails.clear()
+        warnings.warn(f"attention by lengths off in this model's CUDA graphs: {reason}; they take the padded "
+                      f"path", RuntimeWarning, stacklevel=4)
 
     def _disable_tails(self, reason: str) -> None:
         self.tails_enabled, self.tails_disabled_reason = False, reason
