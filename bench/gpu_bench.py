@@ -254,6 +254,7 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     stats = graph_stats(engine.target.graphs)
     timed_capture_s = stats["graph_capture_s"] - before["graph_capture_s"]
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
+           "compiled_layers": engine.target.compiled_layers, "layers_off_because": engine.target.layers_off_reason,
            "cuda_graphs": graphs, **stats, "timed_capture_s": timed_capture_s,
            "graphs_captured_timed": stats["graphs_captured"] - before["graphs_captured"],
            "compiles_timed": dynamo_graphs() - compiled_before, "full_warmup": full_warmup,
@@ -293,7 +294,9 @@ def describe(name: str, r: dict) -> str:
               + (f"; verification after the graph: {r['graph_verify_off_because']}"
                  if r["graph_verify_off_because"] else "") + ")")
     timed = f", {r['compiles_timed']} compiles timed" if r.get("compiles_timed") else ""
-    return (f"{name}{graphs} compile={r['compile']}({r['attention']}) batch={r['batch']} drafter={r['drafter']}: "
+    layers = (f", {r['compiled_layers']} layers compiled" if r["compiled_layers"] else "") + (
+        f", layers not compiled: {r['layers_off_because']}" if r["layers_off_because"] else "")
+    return (f"{name}{graphs} compile={r['compile']}({r['attention']}{layers}) batch={r['batch']} drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "
             f"{r['tokens_per_round']:.2f} tok/round, acceptance {acc}, warm-up {r['warmup_s']:.1f} s{timed}{cut}\n"
             f"    HBM floor: {r['floor_steps_per_s']:8.0f} steps/s -> {r['floor_tokens_per_s']:9.0f} tok/s (weights), "

@@ -146,7 +146,7 @@ def drafting_method(kind: str) -> str:
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
-                forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None):
+                forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None, target_switches=None):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: the plan measured on
@@ -155,7 +155,8 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     kernels where they are all in use (cpu_decoder="auto", cpu_decoder.py), else the model's modules.
     CUDA graphs (cuda_graphs.py): auto captures them on CUDA; "uncaptured" runs their padded, bucketed
     forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path.
-    tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0)."""
+    tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0). target_switches: more
+    of the target runner's Kernels switches (model/plan.py)."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
                            cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree,
                            linear_plan=linear_plan)
@@ -166,7 +167,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(build_runner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
-                                   cuda_graphs=cuda_graphs, linear_plan=linear_plan),
+                                   cuda_graphs=cuda_graphs, linear_plan=linear_plan, **(target_switches or {})),
                       drafter, cfg, list(eos), decode,
                       drafting=DraftingConfig(method=drafting_method(kind), num_speculative_tokens=g, adaptive=adaptive,
                                               forced_tokens=forced_tokens, tree=tree),

@@ -60,6 +60,8 @@ def assert_on_cuda(engine, compile: str, graphs: bool) -> None:
     for runner in runners:
         assert runner.cache.keys[0].is_cuda and runner.cache.values[-1].is_cuda
         assert runner.flex == {"on": "always", "off": None}[compile]
+        if compile == "on":            # each decoder layer compiled, and kept
+            assert runner.compiled_layers > 0, f"layers not compiled: {runner.layers_off_reason}"
         if graphs:
             g = runner.graphs
             assert g is not None and g.capture is not None, "CUDA graphs were not set up"

@@ -21,6 +21,7 @@ from ..backends.cpu.fused import FusedOps
 from ..backends.cpu.fused import policy as cpu_fused_policy
 from ..backends.cpu.linear import LinearPlan, PanelKernel
 from ..backends.cpu.linear import policy as cpu_linear_policy
+from ..backends.compiled import policy as compiled_layers_policy
 from ..backends.cuda.graphs import policy as cuda_graphs_policy
 from ..backends.flex import flex_unavailable
 from ..config import MODES, EngineConfig
@@ -36,6 +37,8 @@ class Kernels:
     linear_plan: LinearPlan | None = None   # with packed_linear: this plan for every family instead
     cpu_fused: str = "auto"         # RMSNorm and silu(gate) * up as one pass each
     cpu_decoder: str = "auto"       # the forward as one loop over the three kernels above
+    compiled_layers: str = "auto"   # decoder layers compiled by inductor (backends/compiled.py): auto (on CUDA
+                                    # where engine.compile is not off) | on | off
     uncaptured_graphs: bool = False  # the CUDA graphs' padded forward run without capture (CPU tests)
     graph_verify: bool = True       # with graphs: a verify step's logits processing and rule in its graph
                                     # (core/verify_step.py); False: the eager rule after the graph's forward
@@ -49,7 +52,7 @@ class Kernels:
         return cls()
 
     def __post_init__(self):
-        for name in ("cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder"):
+        for name in ("cpu_attention", "cpu_linear", "cpu_fused", "cpu_decoder", "compiled_layers"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{name}: expected one of {MODES}, got {getattr(self, name)!r}")
         if (self.cpu_linear == "on" or self.linear_plan is not None) and not self.packed_linear:
@@ -65,6 +68,7 @@ class Backends:
     fused: FusedOps | None
     capture_graphs: bool             # capture CUDA graphs
     graphs: bool                     # run the graphs' padded path (captured, or uncaptured in tests)
+    compiled_layers: bool = False    # decoder layers compiled (backends/compiled.py)
 
 
 def flex_policy(compile_mode: str, device: torch.device) -> str | None:
@@ -93,7 +97,8 @@ def choose_backends(config: EngineConfig, kernels: Kernels, device: torch.device
         attention=cpu_attention_policy(kernels.cpu_attention, device, dtype, head_dim),
         linear=cpu_linear_policy(kernels.cpu_linear, device, dtype) if kernels.packed_linear else None,
         fused=cpu_fused_policy(kernels.cpu_fused, device, dtype),
-        capture_graphs=capture, graphs=capture or kernels.uncaptured_graphs)
+        capture_graphs=capture, graphs=capture or kernels.uncaptured_graphs,
+        compiled_layers=compiled_layers_policy(kernels.compiled_layers, config.compile, device))
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class BackendPlan:
     mlp: str            # merged gate/up + silu_mul (with its measurement) | modules
     decoder: str        # cpu-loop | modules
     graphs: str         # captured | uncaptured | off
+    layers: str = "modules"   # compiled | modules (the decoder layers, backends/compiled.py)
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.__dict__.items())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -23,6 +24,7 @@ from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse, silu_mlps
 from ..backends.cpu.linear import (AMX, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, amx_kernel,
                                    amx_unavailable, can_pack, family_weights, planned_linears)
+from ..backends.compiled import compile_layers, uncompile_layers
 from ..backends.cuda.graphs import MAX_TOKENS, UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
@@ -167,6 +169,10 @@ class ModelRunner:
         # write in one pass, q/k/v as one linear; the same numbers as the model's forward, without its glue.
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
                                           self.max_model_len, active_sliding_window(model.config))
+        # Each decoder layer compiled (its norms, RoPE, residual adds and SiLU product fused): where the
+        # modules run the forward (no CPU loop), on CUDA by default
+        self.compiled_layers = compile_layers(model) if chosen.compiled_layers and self.decoder is None else 0
+        self.layers_off_reason: str | None = None
 
     def _linear_plans(self, model, chosen: Backends, kernels: Kernels,
                       prefill_rows: int) -> dict[str, LinearPlan] | None:
@@ -214,7 +220,8 @@ class ModelRunner:
         mlp = (self.mlp_plan.describe() if self.mlp_plan is not None
                else "merged gate/up + silu_mul" if self.fused_mlps else "modules")
         return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules", mlp,
-                           "cpu-loop" if self.decoder is not None else "modules", graphs)
+                           "cpu-loop" if self.decoder is not None else "modules", graphs,
+                           "compiled" if self.compiled_layers else "modules")
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -302,11 +309,26 @@ class ModelRunner:
         """The model's forward over the slot store for one layout: logits of the kept packed positions
         ([kept, vocab], the model's dtype)."""
         self.cache.layout = layout
-        out = self.model(input_ids=layout.input_ids, position_ids=layout.flat_position_ids, attention_mask=mask,
-                         use_cache=True, logits_to_keep=keep, slot_layout=layout,
-                         **{self.cache_kwarg: self.cache})
-        self.cache.layout = None
+        call = lambda: self.model(input_ids=layout.input_ids, position_ids=layout.flat_position_ids,
+                                  attention_mask=mask, use_cache=True, logits_to_keep=keep, slot_layout=layout,
+                                  **{self.cache_kwarg: self.cache})
+        try:
+            out = call()
+        except Exception as exc:       # compiled layers that fail: the modules from now on, never a wrong result
+            if not self.compiled_layers:
+                raise
+            self._uncompile(f"{type(exc).__name__}: {exc}")
+            out = call()               # rewrites whatever KV the failed forward wrote, with the same values
+        finally:
+            self.cache.layout = None
         return out.logits[0]
+
+    def _uncompile(self, reason: str) -> None:
+        uncompile_layers(self.model)
+        self.compiled_layers, self.layers_off_reason = 0, reason
+        if hasattr(self, "plan"):      # (a failure while the runner measures itself comes before its plan)
+            self.plan = replace(self.plan, layers="modules")
+        warnings.warn(f"compiled layers off for this model: {reason}; its modules run", RuntimeWarning, stacklevel=3)
 
     def move_path(self, slots: list[int], starts: list[int], paths: list[list[int]]) -> None:
         """After a tree step: row b's accepted path, the inputs paths[b] (increasing, past the root),
