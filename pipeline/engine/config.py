@@ -44,7 +44,8 @@ class EngineConfig:
                                      # the decoder loop; linears on the kernel measured fastest per row
                                      # count, backends/cpu/calibrate.py) | torch: torch's own kernels only
     compile: str = "auto"            # compiled FlexAttention over the slot store: auto (where inductor can
-                                     # compile, on steps where it is the cheaper kernel) | on | off
+                                     # compile, on steps where it is the cheaper kernel) | on | off; on CUDA
+                                     # (not off) also each decoder layer compiled (backends/compiled.py)
     cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs: auto (on CUDA) | on | off
 
     def __post_init__(self):
