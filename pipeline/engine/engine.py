@@ -42,7 +42,7 @@ from .core.scheduler import Scheduler
 from .core.tree import children, num_leaves
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
-from .core.verify_step import PathStep
+from .core.verify_step import VerifyStep
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
@@ -379,13 +379,10 @@ class SpecEngine:
             starts, slots = [s.num_computed for s in batch], [s.slot for s in batch]
             uniforms = (None if all(s.params.is_greedy for s in batch)
                         else self._verify_uniforms(batch, drafts.num_draft))
-            with self._grammar_time:   # [sum(g + 1), words] on the host; trees: on the device
-                allowed = (walk.target_allowed(drafts.num_draft, "cpu" if not drafts.is_tree else self.target.device)
-                           if walk is not None else None)
-            out = None
-            if not drafts.is_tree:
-                out = self.target.forward_verify(slots, starts, inputs, PathStep(
-                    drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs))
+            with self._grammar_time:   # [sum(g + 1), words] on the host
+                allowed = walk.target_allowed(drafts.num_draft, "cpu") if walk is not None else None
+            out = self.target.forward_verify(slots, starts, inputs, VerifyStep(
+                drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs, drafts.parents))
             if out is None:
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)

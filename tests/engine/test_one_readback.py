@@ -12,8 +12,8 @@ rows still going and reads whether any is, once per try.
 
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
-Path steps without penalties verify inside the graph (core/verify_step.py) and read back its output
-(ModelRunner.forward_verify); trees and rows with penalties verify after it (VerifyOutput.to_host).
+Steps without penalties (paths and trees) verify inside the graph (core/verify_step.py) and read back its
+output (ModelRunner.forward_verify); rows with penalties verify after it (VerifyOutput.to_host).
 """
 from __future__ import annotations
 

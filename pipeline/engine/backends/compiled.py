@@ -9,7 +9,11 @@ kernels. The CUDA graphs (backends/cuda/graphs.py) then capture the compiled lay
 
   compile_layers   each decoder layer (modules named *DecoderLayer) compiled in place with
                    dynamic shapes (nn.Module.compile), so one compiled graph serves every layer and
-                   every step's rows and tokens; compiled on first call
+                   every step's rows and tokens; compiled on first call. A layer's code is compiled
+                   again per kind of step (one row or many, one token or many, attention by lengths or
+                   padded, trees), for the target and a draft model of the same family alike: dynamo's
+                   limit of variants per code object is raised to RECOMPILES so that none of them runs
+                   uncompiled
   a failure        a layer whose compilation or compiled run raises: the runner calls
                    `uncompile_layers` and runs the modules (the KV a failed forward wrote is rewritten
                    with the same values by the rerun)
@@ -31,8 +35,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+RECOMPILES = 64
+
+
 def compile_layers(model: nn.Module) -> int:
     """Compile every decoder layer in place; returns how many."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=True)

@@ -3,28 +3,31 @@ padded to a common length, so that both run on the device right after the step's
 CUDA graph: backends/cuda/graphs.py) and the step reads back one buffer.
 
   padded step  R rows of Q inputs each (the graph bucket's rows and tokens per row). Row b's inputs are
-               its last committed token and its g_b <= Q - 1 draft tokens, then pad tokens; a pad row
-               (past the step's real rows) drafts nothing. Its logits are all R * Q positions in that
-               order: verify.py's flat layout with every row given Q - 1 draft rows, g_b of them real.
+               its last committed token and its g_b <= Q - 1 draft tokens (a path, or a token tree),
+               then pad tokens; a pad row (past the step's real rows) drafts nothing. Its logits are all
+               R * Q positions in that order: verify.py's (verify_tree.py's) flat layout with every row
+               given Q - 1 draft tokens, g_b of them real; a tree's pad tokens are root children.
   spec         what fixes the tail's kernels besides the bucket (TailSpec): whether all, some or none of
-               the rows are greedy, the top-k width, top-p, min-p, grammar masks, a dense q. Steps with
-               the same bucket and spec run the same kernels (on a GPU: replay the same graph).
-  inputs       a step's host data as one byte string (Tail.host_bytes): draft ids and counts (int64),
+               the rows are greedy, the top-k width, top-p, min-p, grammar masks, a dense q, trees. Steps
+               with the same bucket and spec run the same kernels (on a GPU: replay the same graph).
+  inputs       a step's host data as one byte string (Tail.host_bytes): draft ids, counts and tree
+               parents (int64),
                the rows' sampling columns and the uniforms (float32), grammar bit masks (int32); it
                travels in the step's one host-to-device copy. A dense q (a draft model's, already on
                the device) is copied device to device (Tail.load_q).
-  output       one int64 buffer [R + R*Q + R*(Q-1)]: accepted counts, output ids ([R, Q], -1 padded),
-               the per-position acceptance ([R, Q-1]); `unpack` turns the real rows of its host copy
-               into the rule's HostVerifyOutput.
+  output       one int64 buffer [R + R*Q + R*(Q-1) (+ R*(Q-1) for trees)]: accepted counts, output
+               ids ([R, Q], -1 padded), the per-position acceptance ([R, Q-1]), a tree's accepted path
+               ([R, Q-1]); `unpack` turns the real rows of its host copy into the rule's HostVerifyOutput.
 
 The result is the eager rule's (verify_rule.py over the real rows), token for token: each row is
 processed alone (sampling.py, with the step's batch facts taken from its real rows), the uniforms are
 the same, and verify.py is told each row's real draft count (`num_valid`), past which nothing is
-accepted and the final token is drawn as where the draft ends.
+accepted and the final token is drawn as where the draft ends (a tree's pad tokens are never tried:
+verify_tree.py). A sampled tree walk makes Q - 1 tries, as on a GPU (verify_rule.py's FIXED_WALK).
 
 Steps the tail does not take (`tail_spec` gives None) run the eager rule after the graph's forward:
-penalties (their counts follow each row's history, of any length), a sparse q (its support size
-varies), token trees.
+penalties (their counts follow each row's history, of any length) and a sparse q (its support size
+varies).
 
 This module knows nothing about models, graphs or requests beyond their sampling parameters.
 """
@@ -37,6 +40,7 @@ import torch
 from .request import SamplingParams
 from .sampling import RowParams, greedy_tokens, processed_probs
 from .verify import HostVerifyOutput, SparseProbs, verify, verify_greedy
+from .verify_tree import verify_tree, verify_tree_greedy
 
 _PAD_COLUMNS = dict(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                     presence_penalty=0.0, frequency_penalty=0.0)     # pad rows: any valid values do
@@ -50,24 +54,26 @@ class TailSpec:
     min_p: bool
     grammar: bool      # grammar bit masks per target row
     dense_q: bool      # a draft model's q ([num_draft_tokens, vocab] on the device); False: one-hot drafts
+    tree: bool = False  # token trees (each row's parents among the inputs)
 
 
 @dataclass
-class PathStep:
-    """A verify step's host data: single paths only."""
+class VerifyStep:
+    """A verify step's host data."""
     proposals: list[list[int]]                              # each row's draft tokens
     params: list[SamplingParams]                            # each row's sampling parameters
     uniforms: tuple[torch.Tensor, torch.Tensor] | None      # host (accept [sum g], sample [rows]) where any
                                                             # row samples (the engine's draws)
     allowed: torch.Tensor | None                            # host [sum(g + 1), words] int32 grammar masks
     draft_probs: torch.Tensor | SparseProbs | None          # q: dense on the device, sparse, None (one-hot)
+    parents: list[list[int]] | None = None                  # token trees: each row's tokens' parents (core/tree.py)
 
     @property
     def num_draft(self) -> list[int]:
         return [len(p) for p in self.proposals]
 
 
-def tail_spec(step: PathStep, vocab: int) -> TailSpec | None:
+def tail_spec(step: VerifyStep, vocab: int) -> TailSpec | None:
     """The spec of a step's tail, or None where the eager rule runs it (penalties, a sparse q). The
     batch facts are the ones RowParams.from_params takes from the same rows."""
     params = step.params
@@ -83,7 +89,7 @@ def tail_spec(step: PathStep, vocab: int) -> TailSpec | None:
             width = min(1 << (max(ks) - 1).bit_length(), vocab)
     return TailSpec(kind, width, filters and any(p.top_p < 1 for p in params),
                     filters and any(p.min_p > 0 for p in params), step.allowed is not None,
-                    kind != "all" and step.draft_probs is not None)
+                    kind != "all" and step.draft_probs is not None, step.parents is not None)
 
 
 def _padded(n: int) -> int:
@@ -97,7 +103,7 @@ class Tail:
                  q_buffer: torch.Tensor | None = None):
         self.rows, self.q, self.vocab, self.words, self.spec = rows, q, vocab, words, spec
         g = q - 1
-        self.sizes = (rows * g + rows, len(RowParams.COLUMNS) * rows * q + rows * g + rows,
+        self.sizes = (rows * g * (1 + spec.tree) + rows, len(RowParams.COLUMNS) * rows * q + rows * g + rows,
                       rows * q * words if spec.grammar else 0)          # int64, float32, int32 elements
         self.offsets = [0, _padded(8 * self.sizes[0])]
         self.offsets.append(self.offsets[1] + _padded(4 * self.sizes[1]))
@@ -105,21 +111,24 @@ class Tail:
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         ints, floats, bits = (self.buffer[o:o + n * w].view(t) for o, n, w, t in zip(
             self.offsets, self.sizes, (8, 4, 4), (torch.int64, torch.float32, torch.int32)))
-        self.draft_ids, self.num_draft = ints.split([rows * g, rows])
+        self.draft_ids, self.num_draft, self.parents = ints.split([rows * g, rows, rows * g * spec.tree])
         cols, self.accept_u, self.sample_u = floats.split([len(RowParams.COLUMNS) * rows * q, rows * g, rows])
         self.cols = cols.view(len(RowParams.COLUMNS), rows * q)
         self.bits = bits.view(rows * q, words) if spec.grammar else None
         self.cu = torch.arange(rows + 1, device=device) * g
         self.draft_q = q_buffer[:rows * g] if spec.dense_q else None
-        self.out = torch.zeros(rows + rows * q + rows * g, dtype=torch.long, device=device)
+        self.out = torch.zeros(rows + rows * q + rows * g * (1 + spec.tree), dtype=torch.long, device=device)
         self.replay = None          # a graph's replay, once captured and checked (backends/cuda/graphs.py)
 
-    def host_bytes(self, step: PathStep) -> torch.Tensor:
+    def host_bytes(self, step: VerifyStep) -> torch.Tensor:
         """The step's inputs as the buffer's bytes (uint8, on the host)."""
         rows, q, g = self.rows, self.q, self.q - 1
         num = step.num_draft
         ids = [t for p in step.proposals for t in p + [0] * (g - len(p))] + [0] * ((rows - len(num)) * g)
-        ints = torch.tensor(ids + num + [0] * (rows - len(num)), dtype=torch.int64)
+        parents = []
+        if self.spec.tree:          # pad tokens: root children, never tried (verify_tree.py's num_valid)
+            parents = [p for row in step.parents for p in row + [-1] * (g - len(row))] + [-1] * ((rows - len(num)) * g)
+        ints = torch.tensor(ids + num + [0] * (rows - len(num)) + parents, dtype=torch.int64)
         pad = [_PAD_COLUMNS[c] for c in RowParams.COLUMNS]
         cols = [[getattr(p, c) for c in RowParams.COLUMNS] for p in step.params for _ in range(q)]
         cols = torch.tensor(cols + [pad] * ((rows - len(num)) * q), dtype=torch.float32).T.reshape(-1)
@@ -145,7 +154,7 @@ class Tail:
             out[o:o + raw.numel()] = raw
         return out
 
-    def load_q(self, step: PathStep) -> None:
+    def load_q(self, step: VerifyStep) -> None:
         """A dense q into its padded rows (device to device; rows past a row's drafts keep stale values,
         which the rule never reads)."""
         if self.draft_q is None:
@@ -162,19 +171,27 @@ class Tail:
         rp = RowParams.from_columns(self.cols, any_greedy=spec.greedy != "none", top_k_width=spec.top_k,
                                     any_top_p=spec.top_p, any_min_p=spec.min_p)
         if spec.greedy == "all":
-            out = verify_greedy(self.draft_ids, self.cu, greedy_tokens(logits, rp, allowed=self.bits),
-                                max_draft=g, num_valid=self.num_draft)
+            argmax = greedy_tokens(logits, rp, allowed=self.bits)
+            out = (verify_tree_greedy(self.draft_ids, self.cu, self.parents, argmax, max_depth=g, num_valid=self.num_draft)
+                   if spec.tree else verify_greedy(self.draft_ids, self.cu, argmax, max_draft=g, num_valid=self.num_draft))
         else:
             probs = processed_probs(logits, rp, allowed=self.bits)
             is_greedy = rp.is_greedy.view(rows, self.q)[:, 0]
-            out = verify(self.draft_ids, self.cu, probs, self.draft_q, is_greedy, self.accept_u, self.sample_u,
-                         max_draft=g, any_greedy=spec.greedy == "some", num_valid=self.num_draft)
-        torch.cat([out.num_accepted, out.output_ids.reshape(-1), out.is_accepted.long()], out=self.out)
+            if spec.tree:
+                out = verify_tree(self.draft_ids, self.cu, self.parents, probs, self.draft_q, is_greedy, self.accept_u,
+                                  self.sample_u, max_depth=g, greedy=(spec.greedy == "some", False), tries=g,
+                                  num_valid=self.num_draft)
+            else:
+                out = verify(self.draft_ids, self.cu, probs, self.draft_q, is_greedy, self.accept_u, self.sample_u,
+                             max_draft=g, any_greedy=spec.greedy == "some", num_valid=self.num_draft)
+        parts = [out.num_accepted, out.output_ids.reshape(-1), out.is_accepted.long()]
+        torch.cat(parts + [out.path.reshape(-1)] if spec.tree else parts, out=self.out)
 
 
-def unpack(packed: list[int], rows: int, q: int, num_draft: list[int]) -> HostVerifyOutput:
+def unpack(packed: list[int], rows: int, q: int, num_draft: list[int], tree: bool = False) -> HostVerifyOutput:
     """The real rows of a tail's output (its host copy) as the rule's HostVerifyOutput."""
     g, n = q - 1, len(num_draft)
-    base = rows + rows * q
+    base, paths = rows + rows * q, rows + rows * q + rows * g
     return HostVerifyOutput(packed[:n], [packed[rows + b * q:rows + (b + 1) * q] for b in range(n)],
-                            [bool(a) for b, k in enumerate(num_draft) for a in packed[base + b * g:base + b * g + k]])
+                            [bool(a) for b, k in enumerate(num_draft) for a in packed[base + b * g:base + b * g + k]],
+                            [packed[paths + b * g:paths + (b + 1) * g] for b in range(n)] if tree else None)

@@ -34,7 +34,10 @@ tests/engine/core/test_tree_verify.py: trying a sibling against r not updated fo
 and trying a token below a rejected one.
 
 Flat glossary: a *node* is a draft token (global index into draft_ids); the root of sequence b is
-node N + b in the link tables (N draft tokens in all).
+node N + b in the link tables (N draft tokens in all). Padded batches (verify_step.py: every tree
+given the same number of tokens) pass each sequence's real count as `num_valid`: its pad tokens
+(root children past the real ones) are never accepted and never tried (the links park them under a
+node no walk reaches).
 """
 from __future__ import annotations
 
@@ -78,12 +81,16 @@ def tree_index(cu_num_draft: torch.Tensor, parents: torch.Tensor) -> TreeIndex:
     return TreeIndex(seq, pos, parent, root_row[seq] + 1 + parents, root_row[seq] + 1 + pos, depth, bits, root_row)
 
 
-def _tree_links(idx: TreeIndex, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first child of each node and root [N + num_seqs], next sibling of each node [N]); -1: none."""
+def _tree_links(idx: TreeIndex, num_seqs: int,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first child of each node and root [N + num_seqs (+ 1 parking node where `valid`)], next sibling of
+    each node [N]); -1: none. Tokens not `valid` hang under the parking node N + num_seqs."""
     n = len(idx.pos)
     device = idx.pos.device
     holder = torch.where(idx.parent >= 0, idx.parent, n + idx.seq)          # [N] parent as a node or a root
-    first = torch.full((n + num_seqs,), BIG, dtype=torch.long, device=device)
+    if valid is not None:
+        holder = torch.where(valid, holder, n + num_seqs)
+    first = torch.full((n + num_seqs + (valid is not None),), BIG, dtype=torch.long, device=device)
     first.scatter_reduce_(0, holder, torch.arange(n, device=device), reduce="amin", include_self=True)
     first = torch.where(first == BIG, -1, first)
     order = torch.argsort(holder * (n + 1) + torch.arange(n, device=device))
@@ -95,9 +102,11 @@ def _tree_links(idx: TreeIndex, num_seqs: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _greedy_choice(draft_ids: torch.Tensor, idx: TreeIndex, target_argmax: torch.Tensor,
-                   num_seqs: int) -> torch.Tensor:
+                   num_seqs: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[num_seqs] the deepest token whose path matches the argmax at every step (row-local, -1: none)."""
     ok = draft_ids == target_argmax[idx.judge_row]
+    if valid is not None:
+        ok &= valid
     bad = torch.zeros(num_seqs, dtype=torch.long, device=draft_ids.device).index_add_(
         0, idx.seq, torch.where(ok, 0, torch.ones_like(idx.pos) << (idx.pos + 1)))   # distinct bits: sum = or
     good = (idx.bits & bad[idx.seq]) == 0
@@ -115,7 +124,7 @@ def _residual(rows: torch.Tensor, total: torch.Tensor, q_rows: torch.Tensor) -> 
 
 
 def _sampled_walk(draft_ids, cu_num_draft, idx: TreeIndex, target_probs, draft_probs, walking, accept_uniforms,
-                  tries: int | None = None):
+                  tries: int | None = None, valid: torch.Tensor | None = None):
     """The sampling rule for the sequences in `walking` [num_seqs] bool. Returns (node each walk ended
     at, global, num_draft_tokens + b where it stayed at the root; r at the end [num_seqs, vocab]).
 
@@ -126,7 +135,7 @@ def _sampled_walk(draft_ids, cu_num_draft, idx: TreeIndex, target_probs, draft_p
     still going, and whether one is reads back once per try (cheap where the device is the host)."""
     n, num_seqs, vocab = len(draft_ids), len(cu_num_draft) - 1, target_probs.shape[-1]
     device = draft_ids.device
-    first, nxt = _tree_links(idx, num_seqs)
+    first, nxt = _tree_links(idx, num_seqs, valid)
     q_y = torch.ones(n, dtype=target_probs.dtype, device=device) if draft_probs is None else \
         _q_at(draft_probs, draft_ids).to(target_probs.dtype)
     cur = n + torch.arange(num_seqs, device=device)
@@ -176,6 +185,7 @@ def verify_tree(
     max_depth: int | None = None,     # the deepest tree's depth, where the host knows it
     greedy: tuple[bool, bool] | None = None,   # (any, all) of is_greedy, where the host knows them
     tries: int | None = None,         # the sampled walk's tries, at least the largest tree's size (_sampled_walk)
+    num_valid: torch.Tensor | None = None,   # [num_seqs] padded batches: each tree's real token count
 ) -> VerifyOutput:
     """The greedy or sampling rule for every tree of a ragged batch; `path` holds the accepted tokens.
     With max_depth, greedy and tries given, nothing is read back from the device; without tries the
@@ -183,14 +193,15 @@ def verify_tree(
     num_seqs, n = len(cu_num_draft) - 1, len(draft_ids)
     any_greedy, all_greedy = greedy if greedy is not None else (bool(is_greedy.any()), bool(is_greedy.all()))
     idx = tree_index(cu_num_draft, parents)
+    valid = None if num_valid is None else idx.pos < num_valid[idx.seq]
     chosen = torch.full((num_seqs,), -1, dtype=torch.long, device=draft_ids.device)
     if n and any_greedy:
-        chosen = _greedy_choice(draft_ids, idx, target_probs.argmax(dim=-1), num_seqs)
+        chosen = _greedy_choice(draft_ids, idx, target_probs.argmax(dim=-1), num_seqs, valid)
     final_row = idx.root_row + 1 + chosen
     final_tok = target_probs[final_row].argmax(dim=-1) if any_greedy else None
     if not all_greedy:
         cur, r = _sampled_walk(draft_ids, cu_num_draft, idx, target_probs, draft_probs, ~is_greedy, accept_uniforms,
-                               tries)
+                               tries, valid)
         walked = torch.where(cur < n, idx.pos[cur.clamp(max=max(n - 1, 0))] if n else cur, -1)
         chosen = torch.where(is_greedy, chosen, walked)
         sampled = sample_from_probs(r, sample_uniforms)
@@ -199,11 +210,13 @@ def verify_tree(
 
 
 def verify_tree_greedy(draft_ids: torch.Tensor, cu_num_draft: torch.Tensor, parents: torch.Tensor,
-                       target_argmax: torch.Tensor, max_depth: int | None = None) -> VerifyOutput:
+                       target_argmax: torch.Tensor, max_depth: int | None = None,
+                       num_valid: torch.Tensor | None = None) -> VerifyOutput:
     """The greedy rule alone, from the target's argmax per row ([num_draft_tokens + num_seqs])."""
     num_seqs = len(cu_num_draft) - 1
     idx = tree_index(cu_num_draft, parents)
-    chosen = (_greedy_choice(draft_ids, idx, target_argmax, num_seqs) if len(draft_ids)
+    valid = None if num_valid is None else idx.pos < num_valid[idx.seq]
+    chosen = (_greedy_choice(draft_ids, idx, target_argmax, num_seqs, valid) if len(draft_ids)
               else torch.full((num_seqs,), -1, dtype=torch.long, device=draft_ids.device))
     return _assemble_tree(draft_ids, cu_num_draft, idx, chosen, target_argmax[idx.root_row + 1 + chosen], max_depth)
 

@@ -30,7 +30,7 @@ from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
 from ..core.tree import is_chain
 from ..core.verify import HostVerifyOutput
-from ..core.verify_step import PathStep, Tail, tail_spec, unpack
+from ..core.verify_step import VerifyStep, Tail, tail_spec, unpack
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
@@ -269,8 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_verify(self, slots: list[int], starts: list[int], tokens: list[list[int]],
-                       step: PathStep) -> HostVerifyOutput | None:
-        """A verify step of single paths (tokens[b]: the last committed token, then step.proposals[b]):
+                       step: VerifyStep) -> HostVerifyOutput | None:
+        """A verify step (tokens[b]: the last committed token, then step.proposals[b], a path or a tree):
         the forward, the logits' processing and the rule in one graph (core/verify_step.py), its
         result read back once. None, having run nothing, where the step does not take that path (no
         graphs, tails off, a step past the buckets, a step the tail does not take): then `forward`
@@ -279,7 +279,7 @@ class ModelRunner:
             return None
         spec = tail_spec(step, self.vocab_size)
         num_new = [len(t) for t in tokens]
-        bucket = self.graphs.bucket(starts, num_new, "all") if spec is not None else None
+        bucket = self.graphs.bucket(starts, num_new, "all", tree=spec.tree) if spec is not None else None
         if bucket is None:
             return None
         words = 0 if step.allowed is None else step.allowed.shape[1]
@@ -289,9 +289,9 @@ class ModelRunner:
         if tail is None:
             return None
         tail.load_q(step)
-        out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step))
+        out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step), step.parents)
         self.num_forward_tokens += sum(num_new)
-        return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft)
+        return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft, spec.tree)
 
     def _flex_tables(self, layout) -> tuple[torch.Tensor, ...]:
         """FlexAttention's block tables for a layout, from its row table on the device (the graphs'

@@ -195,11 +195,13 @@ def test_capture_self_check(backend, target_model, draft_model):
         assert all(g.bucket([0], [1], "last") is None for g in graphs)      # eager from then on
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft-prob"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft-prob", "ngram-tree", "suffix-tree"])
 def test_verification_inside_the_graph_emits_what_verification_after_it_does(kind, target_model, draft_model):
-    """Greedy and sampled rows (top-k, top-p, min-p) in one batch, one-hot and dense q: the engine
-    verifying inside the graph's step (core/verify_step.py) emits, token for token and seed for seed,
-    what it emits verifying after the graph's forward; drafts were both accepted and rejected."""
+    """Greedy and sampled rows (top-k, top-p, min-p) in one batch, one-hot and dense q, paths and token
+    trees: the engine verifying inside the graph's step (core/verify_step.py) emits, token for token and
+    seed for seed, what it emits verifying after the graph's forward; drafts were both accepted and
+    rejected, trees had branches."""
+    tree, kind = kind.endswith("-tree"), kind.removesuffix("-tree")
     prompts = mixed_prompts(10, target_model.config.vocab_size, seed=4)
     params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, top_k=20,
                                                                            top_p=0.9),
@@ -207,7 +209,8 @@ def test_verification_inside_the_graph_emits_what_verification_after_it_does(kin
     outputs = []
     for inside in (True, False):
         engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, max_model_len=128, g=4,
-                             cpu_attention="off", cuda_graphs=UNCAPTURED)
+                             cpu_attention="off", cuda_graphs=UNCAPTURED,
+                             tree=TreeParams(max_tokens=8, max_branches=3) if tree else TreeParams())
         engine.target.graphs.tails_enabled = inside
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params[i % 3], seed=i)
@@ -221,6 +224,8 @@ def test_verification_inside_the_graph_emits_what_verification_after_it_does(kin
         if kind != "none":
             accepted, drafted = sum(r.accepted for r in rounds), sum(r.draft_len for r in rounds)
             assert 0 < accepted < drafted
+        if tree:
+            assert max(r.paths for r in rounds) > 1
     assert outputs[0] == outputs[1]
 
 

@@ -166,8 +166,8 @@ def test_mutant_without_residual_update_is_caught(monkeypatch):
 def test_mutant_trying_below_a_rejected_token_is_caught(monkeypatch):
     links = vt._tree_links
 
-    def below_rejected(idx, num_seqs):
-        first, nxt = links(idx, num_seqs)
+    def below_rejected(idx, num_seqs, valid=None):
+        first, nxt = links(idx, num_seqs, valid)
         n = len(nxt)
         return first, torch.where(first[:n] >= 0, first[:n], nxt)    # on rejection: its first child
     monkeypatch.setattr(vt, "_tree_links", below_rejected)

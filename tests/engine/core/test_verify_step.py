@@ -13,7 +13,7 @@ from pipeline.engine import SamplingParams
 from pipeline.engine.core.sampling import RowParams, greedy_tokens, processed_probs
 from pipeline.engine.core.verify import SparseProbs
 from pipeline.engine.core.verify_rule import verify_drafts
-from pipeline.engine.core.verify_step import PathStep, Tail, TailSpec, tail_spec, unpack
+from pipeline.engine.core.verify_step import VerifyStep, Tail, TailSpec, tail_spec, unpack
 
 VOCAB, WORDS = 96, 3
 
@@ -24,7 +24,8 @@ NUCLEUS = SamplingParams(temperature=1.2, top_p=0.8, min_p=0.05)
 ALL_FILTERS = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)
 
 
-def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: bool, dense_q: bool):
+def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: bool, dense_q: bool,
+          tree: bool = False):
     gen = torch.Generator().manual_seed(seed)
     n = len(params)
     num = [int(torch.randint(0, q, (1,), generator=gen)) for _ in range(n)]
@@ -36,13 +37,18 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
         for i in range((num[b] if b < n else 0) + 1, q):
             logits[b * q + i, 0] = 50.0
     q_rows = torch.softmax(torch.randn(sum(num), VOCAB, generator=gen) * 2, dim=-1) if dense_q else None
+    # trees: each token's parent drawn among the root and the tokens before it (a path: the token before)
+    parents = [[int(torch.randint(-1, i, (1,), generator=gen)) if tree else i - 1 for i in range(g)] for g in num]
+    if tree and seed % 2:                     # root rows favour token 0 too: a tree's pad tokens are root children
+        for b in range(n):
+            logits[b * q, 0] = 50.0
     proposals, r = [], 0
     for b, g in enumerate(num):               # drafts: the target's argmax (half), a draw from q, or noise
         row = []
         for i in range(g):
             kind = int(torch.randint(0, 4, (1,), generator=gen))
-            if kind < 2:
-                row.append(int(logits[b * q + i].argmax()))
+            if kind < 2:                      # judged against its parent's row: input parent + 1
+                row.append(int(logits[b * q + parents[b][i] + 1].argmax()))
             elif dense_q:
                 row.append(int(torch.multinomial(q_rows[r + i], 1, generator=gen)))
             else:
@@ -57,8 +63,9 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
         r = 0
         for b, row in enumerate(proposals):
             for i, t in enumerate(row):
-                if t == int(logits[b * q + i].argmax()):
-                    allowed[r + i, t // 32] |= 1 << (t % 32)
+                judge = parents[b][i] + 1
+                if t == int(logits[b * q + judge].argmax()):
+                    allowed[r + judge, t // 32] |= 1 << (t % 32)
             r += len(row) + 1
         allowed = allowed.to(torch.int32)
     greedy = all(p.is_greedy for p in params)
@@ -69,10 +76,10 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
                 start = sum(num[:b])
                 uniforms[0][start:start + num[b]] = 0
                 uniforms[1][b] = 0
-    return PathStep(proposals, params, uniforms, allowed, q_rows), logits
+    return VerifyStep(proposals, params, uniforms, allowed, q_rows, parents if tree else None), logits
 
 
-def _eager(step: PathStep, logits: torch.Tensor, q: int):
+def _eager(step: VerifyStep, logits: torch.Tensor, q: int):
     """The rule after a forward: ragged rows, processed, verified (engine._verify_rule without penalties)."""
     num = step.num_draft
     real = torch.tensor([b * q + i for b, g in enumerate(num) for i in range(g + 1)])
@@ -83,17 +90,17 @@ def _eager(step: PathStep, logits: torch.Tensor, q: int):
     rows = (greedy_tokens if all(greedy) else processed_probs)(ragged, rp, allowed=step.allowed)
     cu = torch.tensor([0] + [sum(num[:b + 1]) for b in range(len(num))])
     draft_ids = torch.tensor([t for p in step.proposals for t in p], dtype=torch.long)
-    return verify_drafts(draft_ids, cu, num, None, rows, step.draft_probs, greedy, step.uniforms).to_host()
+    return verify_drafts(draft_ids, cu, num, step.parents, rows, step.draft_probs, greedy, step.uniforms).to_host()
 
 
-def _tail(step: PathStep, logits: torch.Tensor, rows: int, q: int):
+def _tail(step: VerifyStep, logits: torch.Tensor, rows: int, q: int):
     spec = tail_spec(step, VOCAB)
     tail = Tail(rows, q, VOCAB, WORDS if step.allowed is not None else 0, spec, "cpu",
                 torch.zeros(rows * q, VOCAB))
     tail.buffer.copy_(tail.host_bytes(step))
     tail.load_q(step)
     tail.run(logits)
-    return unpack(tail.out.tolist(), rows, q, step.num_draft), spec
+    return unpack(tail.out.tolist(), rows, q, step.num_draft, spec.tree), spec
 
 
 MIXES = {"greedy": [GREEDY] * 3, "plain": [PLAIN] * 3, "top-k": [TOP_K, PLAIN, TOP_K],
@@ -103,11 +110,12 @@ MIXES = {"greedy": [GREEDY] * 3, "plain": [PLAIN] * 3, "top-k": [TOP_K, PLAIN, T
 @pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("grammar", [False, True], ids=["free", "grammar"])
 @pytest.mark.parametrize("dense_q", [False, True], ids=["one-hot", "dense-q"])
-@pytest.mark.parametrize("rows,q", [(4, 5), (8, 3), (4, 1)])
-def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q):
+@pytest.mark.parametrize("rows,q,tree", [(4, 5, False), (8, 3, False), (4, 1, False), (4, 9, True), (8, 6, True)],
+                         ids=["4x5", "8x3", "4x1", "4x9-trees", "8x6-trees"])
+def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q, tree):
     accepted = rejected = 0
     for seed in range(12):
-        step, logits = _case(seed, rows, q, MIXES[mix], grammar, dense_q and q > 1)
+        step, logits = _case(seed, rows, q, MIXES[mix], grammar, dense_q and q > 1, tree)
         want = _eager(step, logits, q)
         got, spec = _tail(step, logits, rows, q)
         assert got.num_accepted == want.num_accepted, seed
@@ -115,8 +123,11 @@ def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q):
         for b, k in enumerate(want.num_accepted):
             assert got.output_ids[b][:k + 1] == want.output_ids[b][:k + 1], (seed, b)
             assert got.output_ids[b][k + 1:] == [-1] * (q - k - 1), (seed, b)
+            if tree:
+                assert got.path[b][:k] == want.path[b][:k], (seed, b)
         accepted += sum(want.num_accepted)
         rejected += sum(k < g for k, g in zip(want.num_accepted, step.num_draft))
+    assert spec.tree == tree
     if q > 1:
         assert accepted > 0 and rejected > 0        # both branches of the rule were taken
     assert spec.grammar == grammar and spec.greedy == {"greedy": "all", "mixed": "some", "all-filters": "some"}.get(
@@ -124,7 +135,7 @@ def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q):
 
 
 def test_the_spec_takes_the_batch_facts_of_the_real_rows():
-    step = lambda params, **kw: PathStep([[1]] * len(params), params, None, kw.get("allowed"), kw.get("q"))
+    step = lambda params, **kw: VerifyStep([[1]] * len(params), params, None, kw.get("allowed"), kw.get("q"))
     assert tail_spec(step([GREEDY, GREEDY]), VOCAB) == TailSpec("all", 0, False, False, False, False)
     assert tail_spec(step([TOP_K, PLAIN]), VOCAB).top_k == VOCAB       # a row without top-k: the full width
     assert tail_spec(step([TOP_K, TOP_K]), VOCAB).top_k == 8           # 5, rounded up to a power of two

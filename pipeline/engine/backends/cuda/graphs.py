@@ -234,12 +234,12 @@ class StepGraphs:
         return tail
 
     def forward_tail(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
-                     tail, tail_bytes: torch.Tensor) -> torch.Tensor:
+                     tail, tail_bytes: torch.Tensor, parents: list[list[int] | None] | None = None) -> torch.Tensor:
         """The step's forward and then `tail` (from `tail()`) on its logits, as one graph: the forward's
-        inputs and `tail_bytes` (uint8, the tail's inputs) arrive by one host-to-device copy. Returns
-        the tail's output buffer on the device."""
+        inputs and `tail_bytes` (uint8, the tail's inputs) arrive by one host-to-device copy. parents:
+        the rows' token trees, for a tree bucket. Returns the tail's output buffer on the device."""
         state = self._state(bucket)
-        staged = self._stage(state, slots, starts, tokens, None, tail_bytes)
+        staged = self._stage(state, slots, starts, tokens, parents, tail_bytes)
         tail.buffer.copy_(staged[8 * state.buffer.numel():])
         self.num_replays += 1
         self.num_tails += 1
