@@ -381,8 +381,10 @@ class SpecEngine:
                         else self._verify_uniforms(batch, drafts.num_draft))
             with self._grammar_time:   # [sum(g + 1), words] on the host
                 allowed = walk.target_allowed(drafts.num_draft, "cpu") if walk is not None else None
+            penalties = any(s.params.has_penalties for s in batch)
             out = self.target.forward_verify(slots, starts, inputs, VerifyStep(
-                drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs, drafts.parents))
+                drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs, drafts.parents,
+                [(s.prompt_ids, s.output_ids) for s in batch] if penalties else None, slots if penalties else None))
             if out is None:
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)
@@ -466,6 +468,7 @@ class SpecEngine:
             seq.guide = None                   # the grammar state goes with the slot
             self.scheduler.release(seq)
             self.drafter.release(seq)
+            self.target.release(seq.slot)
             if self.prefixes is not None:
                 self.prefixes.release(seq)
         return [self._completion(seq) for seq in finished]

@@ -12,8 +12,8 @@ rows still going and reads whether any is, once per try.
 
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
-Steps without penalties (paths and trees) verify inside the graph (core/verify_step.py) and read back its
-output (ModelRunner.forward_verify); rows with penalties verify after it (VerifyOutput.to_host).
+Steps verify inside the graph (core/verify_step.py) and read back its output (ModelRunner.forward_verify),
+or, with verification inside the graph off and for a sparse q, after it (VerifyOutput.to_host): both counted.
 """
 from __future__ import annotations
 
@@ -114,10 +114,11 @@ def models():
     return tiny_llama(), tiny_llama(seed=1)
 
 
-def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParams()):
+def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParams(), inside: bool = True):
     target, draft = models
     engine = make_engine(target, kind, draft if kind in ("draft", "hybrid") else None, max_num_seqs=4,
                          max_model_len=160, g=4, cpu_attention="off", cuda_graphs=UNCAPTURED, tree=tree)
+    engine.target.graphs.tails_enabled = inside
     prompts = mixed_prompts(8, target.config.vocab_size, seed=5)
     for i, p in enumerate(prompts[:4]):
         engine.add_request(str(i), p, params)
@@ -125,8 +126,7 @@ def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParam
         engine.step()
     steps = count_reads(engine, 30, [(str(i + 4), p, params) for i, p in enumerate(prompts[4:])])
     assert len(steps) >= 20
-    in_graph = engine.target.graphs.num_tails
-    assert (in_graph > 0) == (params is not SAMPLED), in_graph        # penalties: verified after the graph
+    assert (engine.target.graphs.num_tails > 0) == inside
     return steps
 
 
@@ -150,8 +150,9 @@ def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter
     ("ngram", GREEDY, TREE), ("suffix", GREEDY, TREE),
 ], ids=["none-greedy", "none-sampled", "none-filtered", "ngram-greedy", "ngram-sampled", "ngram-filtered",
         "suffix-greedy", "suffix-sampled", "ngram-tree-greedy", "suffix-tree-greedy"])
-def test_a_step_reads_the_device_back_once(models, kind, params, tree):
-    for counts in _run(models, kind, params, tree):
+@pytest.mark.parametrize("inside", [True, False], ids=["inside", "after"])
+def test_a_step_reads_the_device_back_once(models, kind, params, tree, inside):
+    for counts in _run(models, kind, params, tree, inside):
         assert _only_the_readback(counts), dict(counts)
 
 
@@ -171,13 +172,13 @@ def test_a_draft_model_reads_its_proposal_once(models, kind, params):
 
 def test_the_sampled_tree_walk_of_fixed_tries_reads_nothing(models, monkeypatch):
     monkeypatch.setattr(verify_rule, "FIXED_WALK", {"cpu", "cuda"})
-    for counts in _run(models, "suffix", SAMPLED, TREE):
+    for counts in _run(models, "suffix", SAMPLED, TREE, inside=False):
         assert _only_the_readback(counts), dict(counts)
 
 
 def test_the_sampled_tree_walk_of_live_rows_reads_once_per_try(models):
     walked = 0
-    for counts in _run(models, "suffix", SAMPLED, TREE):
+    for counts in _run(models, "suffix", SAMPLED, TREE, inside=False):
         walk, rest = _split(counts, "core/verify_tree.py")
         assert _only_the_readback(rest), dict(rest)
         tries = sum(v for (name, _), v in walk.items() if name == "__bool__")

@@ -70,14 +70,14 @@ class RowParams:
 
     @classmethod
     def from_columns(cls, cols: torch.Tensor, *, any_greedy: bool, top_k_width: int, any_top_p: bool,
-                     any_min_p: bool) -> "RowParams":
+                     any_min_p: bool, penalties: bool = False) -> "RowParams":
         """From [len(COLUMNS), rows] float32 columns already on the device, with the host-side facts
-        given (a fixed-shape step's: core/verify_step.py). No penalties."""
+        given (a fixed-shape step's: core/verify_step.py)."""
         return cls(
             temperature=cols[0], top_k=cols[1].long(), top_p=cols[2], min_p=cols[3],
             repetition_penalty=cols[4], presence_penalty=cols[5], frequency_penalty=cols[6],
             is_greedy=cols[0] == 0, has_filters=bool(top_k_width or any_top_p or any_min_p),
-            has_penalties=False, any_greedy=any_greedy, any_top_p=any_top_p, any_min_p=any_min_p,
+            has_penalties=penalties, any_greedy=any_greedy, any_top_p=any_top_p, any_min_p=any_min_p,
             top_k_width=top_k_width)
 
     def width(self, vocab: int) -> int:

@@ -10,8 +10,8 @@ CUDA graph: backends/cuda/graphs.py) and the step reads back one buffer.
   spec         what fixes the tail's kernels besides the bucket (TailSpec): whether all, some or none of
                the rows are greedy, the top-k width, top-p, min-p, grammar masks, a dense q, trees. Steps
                with the same bucket and spec run the same kernels (on a GPU: replay the same graph).
-  inputs       a step's host data as one byte string (Tail.host_bytes): draft ids, counts and tree
-               parents (int64),
+  inputs       a step's host data as one byte string (Tail.host_bytes): draft ids, counts, tree
+               parents, rows' slots and each position's draft tokens before it (penalties) (int64),
                the rows' sampling columns and the uniforms (float32), grammar bit masks (int32); it
                travels in the step's one host-to-device copy. A dense q (a draft model's, already on
                the device) is copied device to device (Tail.load_q).
@@ -25,9 +25,13 @@ the same, and verify.py is told each row's real draft count (`num_valid`), past 
 accepted and the final token is drawn as where the draft ends (a tree's pad tokens are never tried:
 verify_tree.py). A sampled tree walk makes Q - 1 tries, as on a GPU (verify_rule.py's FIXED_WALK).
 
-Steps the tail does not take (`tail_spec` gives None) run the eager rule after the graph's forward:
-penalties (their counts follow each row's history, of any length) and a sparse q (its support size
-varies).
+Penalties count each row's prompt and committed output in tables kept per slot on the device
+(SlotCounts: brought up to date before the step from what the rows committed since, the updates
+riding in the step's one copy) plus, per position, the draft tokens of its path (a fixed [R*Q, Q-1]
+index): the counts the eager rule builds from each row's history.
+
+Steps the tail does not take (`tail_spec` gives None) run the eager rule after the graph's forward: a
+sparse q (its support size varies).
 
 This module knows nothing about models, graphs or requests beyond their sampling parameters.
 """
@@ -55,6 +59,7 @@ class TailSpec:
     grammar: bool      # grammar bit masks per target row
     dense_q: bool      # a draft model's q ([num_draft_tokens, vocab] on the device); False: one-hot drafts
     tree: bool = False  # token trees (each row's parents among the inputs)
+    penalties: bool = False   # repetition / presence / frequency penalties on some row
 
 
 @dataclass
@@ -67,6 +72,8 @@ class VerifyStep:
     allowed: torch.Tensor | None                            # host [sum(g + 1), words] int32 grammar masks
     draft_probs: torch.Tensor | SparseProbs | None          # q: dense on the device, sparse, None (one-hot)
     parents: list[list[int]] | None = None                  # token trees: each row's tokens' parents (core/tree.py)
+    histories: list[tuple[list[int], list[int]]] | None = None   # penalties: each row's (prompt, output) ids
+    slots: list[int] | None = None                          # penalties: each row's slot
 
     @property
     def num_draft(self) -> list[int]:
@@ -74,10 +81,10 @@ class VerifyStep:
 
 
 def tail_spec(step: VerifyStep, vocab: int) -> TailSpec | None:
-    """The spec of a step's tail, or None where the eager rule runs it (penalties, a sparse q). The
-    batch facts are the ones RowParams.from_params takes from the same rows."""
+    """The spec of a step's tail, or None where the eager rule runs it (a sparse q). The batch facts
+    are the ones RowParams.from_params takes from the same rows."""
     params = step.params
-    if isinstance(step.draft_probs, SparseProbs) or any(p.has_penalties for p in params):
+    if isinstance(step.draft_probs, SparseProbs):
         return None
     greedy = [p.is_greedy for p in params]
     kind = "all" if all(greedy) else "some" if any(greedy) else "none"
@@ -89,21 +96,62 @@ def tail_spec(step: VerifyStep, vocab: int) -> TailSpec | None:
             width = min(1 << (max(ks) - 1).bit_length(), vocab)
     return TailSpec(kind, width, filters and any(p.top_p < 1 for p in params),
                     filters and any(p.min_p > 0 for p in params), step.allowed is not None,
-                    kind != "all" and step.draft_probs is not None, step.parents is not None)
+                    kind != "all" and step.draft_probs is not None, step.parents is not None,
+                    any(p.has_penalties for p in params))
 
 
 def _padded(n: int) -> int:
     return -(-n // 8) * 8
 
 
+class SlotCounts:
+    """Each slot's prompt and committed output as token counts on the device ([slots, vocab + 1] float32
+    each; column `vocab` takes padding), for penalties at fixed shapes. The host remembers how much of
+    each slot's output the table holds; `forget` when the slot's sequence leaves."""
+
+    def __init__(self, num_slots: int, vocab: int, device):
+        self.vocab = vocab
+        self.prompt = torch.zeros(num_slots, vocab + 1, dtype=torch.float32, device=device)
+        self.output = torch.zeros(num_slots, vocab + 1, dtype=torch.float32, device=device)
+        self.synced: dict[int, int] = {}       # slot -> output tokens counted
+
+    def forget(self, slot: int) -> None:
+        self.synced.pop(slot, None)
+
+    def updates(self, slots: list[int], histories: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+        """What brings the tables up to date for these rows: [slots to clear, prompt count indices,
+        output count indices] (flat indices slot * (vocab + 1) + token); the host's record moves on."""
+        width = self.vocab + 1
+        clear, prompt, output = [], [], []
+        for slot, (prompt_ids, output_ids) in zip(slots, histories):
+            done = self.synced.get(slot)
+            if done is None or done > len(output_ids):      # a new sequence in this slot
+                clear.append(slot)
+                prompt += [slot * width + t for t in prompt_ids]
+                done = 0
+            output += [slot * width + t for t in output_ids[done:]]
+            self.synced[slot] = len(output_ids)
+        return [clear, prompt, output]
+
+    def apply(self, staged: torch.Tensor, sizes: list[int]) -> None:
+        """The updates (`updates`' lists, staged as one int64 tensor on the device) into the tables."""
+        clear, prompt, output = staged.split(sizes)
+        for table, index in ((self.prompt, prompt), (self.output, output)):
+            table.index_fill_(0, clear, 0.0)
+            table.view(-1).index_add_(0, index, torch.ones(len(index), dtype=table.dtype, device=table.device))
+
+
 class Tail:
     """One (rows, Q, spec)'s static inputs and output on the device, and the tail itself (`run`)."""
 
     def __init__(self, rows: int, q: int, vocab: int, words: int, spec: TailSpec, device,
-                 q_buffer: torch.Tensor | None = None):
+                 q_buffer: torch.Tensor | None = None, counts: SlotCounts | None = None):
         self.rows, self.q, self.vocab, self.words, self.spec = rows, q, vocab, words, spec
         g = q - 1
-        self.sizes = (rows * g * (1 + spec.tree) + rows, len(RowParams.COLUMNS) * rows * q + rows * g + rows,
+        self.counts = counts if spec.penalties else None
+        penalty_ints = (rows + rows * q * g) if spec.penalties else 0     # slots, path tokens before each position
+        self.sizes = (rows * g * (1 + spec.tree) + rows + penalty_ints,
+                      len(RowParams.COLUMNS) * rows * q + rows * g + rows,
                       rows * q * words if spec.grammar else 0)          # int64, float32, int32 elements
         self.offsets = [0, _padded(8 * self.sizes[0])]
         self.offsets.append(self.offsets[1] + _padded(4 * self.sizes[1]))
@@ -111,7 +159,8 @@ class Tail:
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         ints, floats, bits = (self.buffer[o:o + n * w].view(t) for o, n, w, t in zip(
             self.offsets, self.sizes, (8, 4, 4), (torch.int64, torch.float32, torch.int32)))
-        self.draft_ids, self.num_draft, self.parents = ints.split([rows * g, rows, rows * g * spec.tree])
+        self.draft_ids, self.num_draft, self.parents, self.slots, self.before = ints.split(
+            [rows * g, rows, rows * g * spec.tree, rows if spec.penalties else 0, penalty_ints and rows * q * g])
         cols, self.accept_u, self.sample_u = floats.split([len(RowParams.COLUMNS) * rows * q, rows * g, rows])
         self.cols = cols.view(len(RowParams.COLUMNS), rows * q)
         self.bits = bits.view(rows * q, words) if spec.grammar else None
@@ -119,6 +168,7 @@ class Tail:
         self.draft_q = q_buffer[:rows * g] if spec.dense_q else None
         self.out = torch.zeros(rows + rows * q + rows * g * (1 + spec.tree), dtype=torch.long, device=device)
         self.replay = None          # a graph's replay, once captured and checked (backends/cuda/graphs.py)
+        self._updates: list[int] = [0, 0, 0]    # the staged count updates' sizes (host_bytes -> load)
 
     def host_bytes(self, step: VerifyStep) -> torch.Tensor:
         """The step's inputs as the buffer's bytes (uint8, on the host)."""
@@ -128,7 +178,18 @@ class Tail:
         parents = []
         if self.spec.tree:          # pad tokens: root children, never tried (verify_tree.py's num_valid)
             parents = [p for row in step.parents for p in row + [-1] * (g - len(row))] + [-1] * ((rows - len(num)) * g)
-        ints = torch.tensor(ids + num + [0] * (rows - len(num)) + parents, dtype=torch.int64)
+        slots, before = [], []
+        if self.spec.penalties:     # each position's path tokens before it (its own draft token included)
+            slots = step.slots + [0] * (rows - len(num))
+            for b in range(rows):
+                row = step.proposals[b] if b < len(num) else []
+                up = step.parents[b] if self.spec.tree and b < len(num) else list(range(-1, len(row) - 1))
+                paths = [[]]
+                for i, p in enumerate(up):
+                    paths.append(paths[p + 1] + [row[i]])
+                paths += [[]] * (q - len(paths))
+                before += [t for path in paths for t in path + [self.vocab] * (g - len(path))]
+        ints = torch.tensor(ids + num + [0] * (rows - len(num)) + parents + slots + before, dtype=torch.int64)
         pad = [_PAD_COLUMNS[c] for c in RowParams.COLUMNS]
         cols = [[getattr(p, c) for c in RowParams.COLUMNS] for p in step.params for _ in range(q)]
         cols = torch.tensor(cols + [pad] * ((rows - len(num)) * q), dtype=torch.float32).T.reshape(-1)
@@ -152,7 +213,18 @@ class Tail:
         for o, part in zip(self.offsets, parts):
             raw = part.view(torch.uint8)
             out[o:o + raw.numel()] = raw
-        return out
+        if self.counts is None:
+            return out
+        updates = self.counts.updates(step.slots, step.histories)      # after the fixed bytes: see load
+        self._updates = [len(u) for u in updates]
+        flat = torch.tensor([i for u in updates for i in u], dtype=torch.int64)
+        return torch.cat([out, flat.view(torch.uint8)])
+
+    def load(self, staged: torch.Tensor) -> None:
+        """The staged bytes (host_bytes', on the device) into the buffer; count updates into the tables."""
+        self.buffer.copy_(staged[:self.nbytes])
+        if self.counts is not None:
+            self.counts.apply(staged[self.nbytes:].view(torch.int64), self._updates)
 
     def load_q(self, step: VerifyStep) -> None:
         """A dense q into its padded rows (device to device; rows past a row's drafts keep stale values,
@@ -169,13 +241,14 @@ class Tail:
         """The tail over the step's logits [R*Q, vocab]; the result into `out`. Reads nothing back."""
         spec, rows, g = self.spec, self.rows, self.q - 1
         rp = RowParams.from_columns(self.cols, any_greedy=spec.greedy != "none", top_k_width=spec.top_k,
-                                    any_top_p=spec.top_p, any_min_p=spec.min_p)
+                                    any_top_p=spec.top_p, any_min_p=spec.min_p, penalties=spec.penalties)
+        counts = self._penalty_counts() if spec.penalties else (None, None)
         if spec.greedy == "all":
-            argmax = greedy_tokens(logits, rp, allowed=self.bits)
+            argmax = greedy_tokens(logits, rp, *counts, allowed=self.bits)
             out = (verify_tree_greedy(self.draft_ids, self.cu, self.parents, argmax, max_depth=g, num_valid=self.num_draft)
                    if spec.tree else verify_greedy(self.draft_ids, self.cu, argmax, max_draft=g, num_valid=self.num_draft))
         else:
-            probs = processed_probs(logits, rp, allowed=self.bits)
+            probs = processed_probs(logits, rp, *counts, allowed=self.bits)
             is_greedy = rp.is_greedy.view(rows, self.q)[:, 0]
             if spec.tree:
                 out = verify_tree(self.draft_ids, self.cu, self.parents, probs, self.draft_q, is_greedy, self.accept_u,
@@ -186,6 +259,17 @@ class Tail:
                              max_draft=g, any_greedy=spec.greedy == "some", num_valid=self.num_draft)
         parts = [out.num_accepted, out.output_ids.reshape(-1), out.is_accepted.long()]
         torch.cat(parts + [out.path.reshape(-1)] if spec.tree else parts, out=self.out)
+
+
+    def _penalty_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output and prompt counts per position [R*Q, vocab]: its slot's, plus its path's draft tokens."""
+        rows, q, g, vocab = self.rows, self.q, self.q - 1, self.vocab
+        slot = self.slots.unsqueeze(1).expand(rows, q).reshape(-1)
+        output = self.counts.output[slot]
+        if g:
+            before = self.before.view(rows * q, g)
+            output = output.scatter_add(1, before, torch.ones(before.shape, dtype=output.dtype, device=output.device))
+        return output[:, :vocab], self.counts.prompt[slot][:, :vocab]
 
 
 def unpack(packed: list[int], rows: int, q: int, num_draft: list[int], tree: bool = False) -> HostVerifyOutput:

@@ -30,7 +30,7 @@ from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
 from ..core.tree import is_chain
 from ..core.verify import HostVerifyOutput
-from ..core.verify_step import VerifyStep, Tail, tail_spec, unpack
+from ..core.verify_step import SlotCounts, Tail, VerifyStep, tail_spec, unpack
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
@@ -94,6 +94,7 @@ class ModelRunner:
         measure = auto and self.device.type == "cpu" and not chosen.graphs
         self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
+        self._counts: SlotCounts | None = None   # penalty counts per slot (forward_verify)
         self.cache_kwarg = cache_kwarg(model)
         self.kernels = kernels
         self._apply(model, chosen, kernels, config.max_prefill_tokens)
@@ -285,7 +286,7 @@ class ModelRunner:
         words = 0 if step.allowed is None else step.allowed.shape[1]
         tail = self.graphs.tail(bucket, (spec, words), lambda: Tail(
             bucket.rows, bucket.q, self.vocab_size, words, spec, self.device,
-            self._q_buffer() if spec.dense_q else None))
+            self._q_buffer() if spec.dense_q else None, self._slot_counts() if spec.penalties else None))
         if tail is None:
             return None
         tail.load_q(step)
@@ -298,6 +299,17 @@ class ModelRunner:
         attention by lengths)."""
         return block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
                             layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=layout.tree is not None)
+
+    def _slot_counts(self) -> SlotCounts:
+        """Each slot's token counts for penalties inside the graph (made on first use)."""
+        if self._counts is None:
+            self._counts = SlotCounts(self.cache.num_slots, self.vocab_size, self.device)
+        return self._counts
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is gone: what the runner kept for it (its penalty counts) goes too."""
+        if self._counts is not None:
+            self._counts.forget(slot)
 
     def _q_buffer(self) -> torch.Tensor:
         """Every tail's dense q rows ([MAX_TOKENS, vocab] float32, made on first use)."""

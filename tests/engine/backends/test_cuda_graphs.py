@@ -197,15 +197,17 @@ def test_capture_self_check(backend, target_model, draft_model):
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "draft-prob", "ngram-tree", "suffix-tree"])
 def test_verification_inside_the_graph_emits_what_verification_after_it_does(kind, target_model, draft_model):
-    """Greedy and sampled rows (top-k, top-p, min-p) in one batch, one-hot and dense q, paths and token
-    trees: the engine verifying inside the graph's step (core/verify_step.py) emits, token for token and
-    seed for seed, what it emits verifying after the graph's forward; drafts were both accepted and
-    rejected, trees had branches."""
+    """Greedy and sampled rows (top-k, top-p, min-p, penalties) in one batch, one-hot and dense q, paths
+    and token trees, slots reused as rows finish: the engine verifying inside the graph's step
+    (core/verify_step.py) emits, token for token and seed for seed, what it emits verifying after the
+    graph's forward; drafts were both accepted and rejected, trees had branches."""
     tree, kind = kind.endswith("-tree"), kind.removesuffix("-tree")
     prompts = mixed_prompts(10, target_model.config.vocab_size, seed=4)
     params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, top_k=20,
                                                                            top_p=0.9),
-              SamplingParams(max_tokens=40, temperature=1.0, min_p=0.05)]
+              SamplingParams(max_tokens=40, temperature=1.0, min_p=0.05),
+              SamplingParams(max_tokens=40, temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.4)]
     outputs = []
     for inside in (True, False):
         engine = make_engine(target_model, kind, draft_model, max_num_seqs=4, max_model_len=128, g=4,
@@ -213,7 +215,7 @@ def test_verification_inside_the_graph_emits_what_verification_after_it_does(kin
                              tree=TreeParams(max_tokens=8, max_branches=3) if tree else TreeParams())
         engine.target.graphs.tails_enabled = inside
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params[i % 3], seed=i)
+            engine.add_request(str(i), p, params[i % len(params)], seed=i)
         done, rounds = {}, []
         while engine.has_unfinished():
             out = engine.step()

@@ -6,14 +6,16 @@ the real rows, as the engine runs it after a forward.
 Pad positions are set up to be accepted if the tail ignored each row's real draft count: their draft
 id is 0 and their logits put token 0 on top.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pipeline.engine import SamplingParams
-from pipeline.engine.core.sampling import RowParams, greedy_tokens, processed_probs
+from pipeline.engine.core.sampling import RowParams, greedy_tokens, penalty_counts, processed_probs
 from pipeline.engine.core.verify import SparseProbs
 from pipeline.engine.core.verify_rule import verify_drafts
-from pipeline.engine.core.verify_step import VerifyStep, Tail, TailSpec, tail_spec, unpack
+from pipeline.engine.core.verify_step import SlotCounts, Tail, TailSpec, VerifyStep, tail_spec, unpack
 
 VOCAB, WORDS = 96, 3
 
@@ -22,6 +24,9 @@ PLAIN = SamplingParams(temperature=0.9)
 TOP_K = SamplingParams(temperature=0.7, top_k=5)
 NUCLEUS = SamplingParams(temperature=1.2, top_p=0.8, min_p=0.05)
 ALL_FILTERS = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)
+REPEAT = SamplingParams(temperature=0, repetition_penalty=1.5)
+PRESENT = SamplingParams(temperature=0.9, presence_penalty=1.5, frequency_penalty=0.7, top_k=30)
+SLOTS = 10
 
 
 def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: bool, dense_q: bool,
@@ -76,35 +81,57 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
                 start = sum(num[:b])
                 uniforms[0][start:start + num[b]] = 0
                 uniforms[1][b] = 0
-    return VerifyStep(proposals, params, uniforms, allowed, q_rows, parents if tree else None), logits
+    histories, slots = None, None
+    if any(p.has_penalties for p in params):  # histories that share tokens with the drafts and the argmax
+        histories = [(torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist(),
+                      torch.randint(0, VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen).tolist()
+                      + proposals[b][1:2]) for b in range(n)]
+        slots = torch.randperm(SLOTS, generator=gen)[:n].tolist()
+    return VerifyStep(proposals, params, uniforms, allowed, q_rows, parents if tree else None, histories,
+                      slots), logits
+
+
+def _path_prefixes(parents: list[int], inputs: list[int]) -> list[list[int]]:
+    paths = [[]]
+    for i, p in enumerate(parents):
+        paths.append(paths[p + 1] + [inputs[i]])
+    return paths
 
 
 def _eager(step: VerifyStep, logits: torch.Tensor, q: int):
-    """The rule after a forward: ragged rows, processed, verified (engine._verify_rule without penalties)."""
+    """The rule after a forward: ragged rows, processed (penalties counting each row's history and its
+    path's draft tokens), verified: engine._verify_rule."""
     num = step.num_draft
     real = torch.tensor([b * q + i for b, g in enumerate(num) for i in range(g + 1)])
     row_params = [p for p, g in zip(step.params, num) for _ in range(g + 1)]
     rp = RowParams.from_params(row_params, "cpu")
+    counts = (None, None)
+    if step.histories is not None:
+        seqs = [SimpleNamespace(prompt_ids=h[0], output_ids=h[1]) for h, g in zip(step.histories, num) for _ in range(g + 1)]
+        extra = [path for b, row in enumerate(step.proposals)
+                 for path in _path_prefixes(step.parents[b] if step.parents else list(range(-1, len(row) - 1)), row)]
+        counts = penalty_counts(seqs, extra, VOCAB, "cpu")
     ragged = logits[real]
     greedy = [p.is_greedy for p in step.params]
-    rows = (greedy_tokens if all(greedy) else processed_probs)(ragged, rp, allowed=step.allowed)
+    rows = (greedy_tokens if all(greedy) else processed_probs)(ragged, rp, *counts, allowed=step.allowed)
     cu = torch.tensor([0] + [sum(num[:b + 1]) for b in range(len(num))])
     draft_ids = torch.tensor([t for p in step.proposals for t in p], dtype=torch.long)
     return verify_drafts(draft_ids, cu, num, step.parents, rows, step.draft_probs, greedy, step.uniforms).to_host()
 
 
-def _tail(step: VerifyStep, logits: torch.Tensor, rows: int, q: int):
+def _tail(step: VerifyStep, logits: torch.Tensor, rows: int, q: int, counts: SlotCounts | None = None):
     spec = tail_spec(step, VOCAB)
     tail = Tail(rows, q, VOCAB, WORDS if step.allowed is not None else 0, spec, "cpu",
-                torch.zeros(rows * q, VOCAB))
-    tail.buffer.copy_(tail.host_bytes(step))
+                torch.zeros(rows * q, VOCAB), counts or SlotCounts(SLOTS, VOCAB, "cpu"))
+    tail.load(tail.host_bytes(step))
     tail.load_q(step)
     tail.run(logits)
     return unpack(tail.out.tolist(), rows, q, step.num_draft, spec.tree), spec
 
 
 MIXES = {"greedy": [GREEDY] * 3, "plain": [PLAIN] * 3, "top-k": [TOP_K, PLAIN, TOP_K],
-         "mixed": [GREEDY, TOP_K, NUCLEUS], "all-filters": [ALL_FILTERS, GREEDY, ALL_FILTERS, NUCLEUS]}
+         "mixed": [GREEDY, TOP_K, NUCLEUS], "all-filters": [ALL_FILTERS, GREEDY, ALL_FILTERS, NUCLEUS],
+         "penalties": [REPEAT, PRESENT, NUCLEUS], "greedy-penalties": [REPEAT, GREEDY, REPEAT]}
 
 
 @pytest.mark.parametrize("mix", MIXES)
@@ -130,8 +157,9 @@ def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q, tree):
     assert spec.tree == tree
     if q > 1:
         assert accepted > 0 and rejected > 0        # both branches of the rule were taken
-    assert spec.grammar == grammar and spec.greedy == {"greedy": "all", "mixed": "some", "all-filters": "some"}.get(
-        mix, "none")
+    assert spec.grammar == grammar and spec.penalties == ("penalties" in mix)
+    assert spec.greedy == {"greedy": "all", "mixed": "some", "all-filters": "some", "penalties": "some",
+                           "greedy-penalties": "all"}.get(mix, "none")
 
 
 def test_the_spec_takes_the_batch_facts_of_the_real_rows():
@@ -142,7 +170,7 @@ def test_the_spec_takes_the_batch_facts_of_the_real_rows():
     assert tail_spec(step([TOP_K, GREEDY]), VOCAB).top_k == VOCAB      # greedy rows count, as in RowParams
     assert tail_spec(step([NUCLEUS, PLAIN]), VOCAB) == TailSpec("none", 0, True, True, False, False)
     assert tail_spec(step([GREEDY], q=torch.zeros(1, VOCAB)), VOCAB).dense_q is False   # greedy: argmax only
-    assert tail_spec(step([SamplingParams(temperature=0.5, repetition_penalty=1.2)]), VOCAB) is None
+    assert tail_spec(step([SamplingParams(temperature=0.5, repetition_penalty=1.2)]), VOCAB).penalties
     sparse = SparseProbs(torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
     assert tail_spec(step([PLAIN], q=sparse), VOCAB) is None
 
@@ -158,3 +186,27 @@ def test_the_top_k_width_changes_nothing_for_rows_below_it():
         wide = processed_probs(logits, RowParams.from_columns(cols, any_greedy=False, top_k_width=width,
                                                               any_top_p=False, any_min_p=False))
         assert torch.equal(wide, exact), width
+
+
+def test_slot_counts_follow_commits_and_new_sequences():
+    """The count tables kept across steps: a row's output grows (only the new tokens are added), a
+    slot gets a new sequence (forgotten, then cleared and counted afresh); every step equals the eager
+    rule, whose counts come from the full histories."""
+    counts = SlotCounts(SLOTS, VOCAB, "cpu")
+    rows, q = 4, 5
+    step, logits = _case(3, rows, q, [REPEAT, PRESENT, REPEAT], False, False)
+    history = [list(h) for h in step.histories]
+    for n in range(5):
+        got, _ = _tail(step, logits, rows, q, counts)
+        want = _eager(step, logits, q)
+        assert (got.num_accepted, got.is_accepted) == (want.num_accepted, want.is_accepted), n
+        assert all(g[:k + 1] == w[:k + 1] for g, w, k in zip(got.output_ids, want.output_ids, want.num_accepted)), n
+        history[0][1] += want.output_ids[0][:want.num_accepted[0] + 1]          # row 0 commits
+        if n == 2:                                                              # slot of row 1: a new sequence
+            counts.forget(step.slots[1])
+            history[1] = ([7, 7, 8], [9])
+        step.histories = [(list(p), list(o)) for p, o in history]
+        assert counts.synced[step.slots[0]] == len(step.histories[0][1]) - want.num_accepted[0] - 1
+    table = counts.output[step.slots[0], :VOCAB]
+    assert table.sum() == len(history[0][1]) - want.num_accepted[0] - 1   # what the last step counted
+    assert counts.prompt[step.slots[1], 7] == 2 and counts.prompt[step.slots[1]].sum() == 3

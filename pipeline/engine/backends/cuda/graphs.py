@@ -224,8 +224,9 @@ class StepGraphs:
         return self._real(bucket, real_idx)
 
     def tail(self, bucket: Bucket, key, make: Callable[[], "object"]):
-        """The tail kept for (bucket, key), made by make() on first use; None where tails are off. A tail (core/verify_step.py's Tail) has static inputs in `buffer` (uint8), an output
-        `out`, a `run(logits)` over every position's logits and a `replay` slot for its graph."""
+        """The tail kept for (bucket, key), made by make() on first use; None where tails are off. A tail
+        (core/verify_step.py's Tail) takes its staged inputs by `load(bytes)`, has an output `out`, a
+        `run(logits)` over every position's logits and a `replay` slot for its graph."""
         if not self.tails_enabled or bucket.logits != "all":
             return None
         tail = self._tails.get((bucket, key))
@@ -240,7 +241,7 @@ class StepGraphs:
         the rows' token trees, for a tree bucket. Returns the tail's output buffer on the device."""
         state = self._state(bucket)
         staged = self._stage(state, slots, starts, tokens, parents, tail_bytes)
-        tail.buffer.copy_(staged[8 * state.buffer.numel():])
+        tail.load(staged[8 * state.buffer.numel():])
         self.num_replays += 1
         self.num_tails += 1
         run = lambda: (self._run(state), tail.run(self._out[:bucket.tokens]))
