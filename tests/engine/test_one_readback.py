@@ -13,7 +13,7 @@ rows still going and reads whether any is, once per try.
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
 Steps verify inside the graph (core/verify_step.py) and read back its output (ModelRunner.forward_verify),
-or, with verification inside the graph off and for a sparse q, after it (VerifyOutput.to_host): both counted.
+or, with verification inside the graph off, after it (VerifyOutput.to_host): both are counted.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ CUDA graph: backends/cuda/graphs.py) and the step reads back one buffer.
                parents, rows' slots and each position's draft tokens before it (penalties) (int64),
                the rows' sampling columns and the uniforms (float32), grammar bit masks (int32); it
                travels in the step's one host-to-device copy. A dense q (a draft model's, already on
-               the device) is copied device to device (Tail.load_q).
+               the device; a sparse one made dense there first) is copied device to device (Tail.load_q).
   output       one int64 buffer [R + R*Q + R*(Q-1) (+ R*(Q-1) for trees)]: accepted counts, output
                ids ([R, Q], -1 padded), the per-position acceptance ([R, Q-1]), a tree's accepted path
                ([R, Q-1]); `unpack` turns the real rows of its host copy into the rule's HostVerifyOutput.
@@ -30,8 +30,8 @@ Penalties count each row's prompt and committed output in tables kept per slot o
 riding in the step's one copy) plus, per position, the draft tokens of its path (a fixed [R*Q, Q-1]
 index): the counts the eager rule builds from each row's history.
 
-Steps the tail does not take (`tail_spec` gives None) run the eager rule after the graph's forward: a
-sparse q (its support size varies).
+A sparse q (suffix counts: SparseProbs) is made dense on the device before the step (its support
+size varies: no fixed shape), and the tail takes it as a dense q: the same q(y) and residual rows.
 
 This module knows nothing about models, graphs or requests beyond their sampling parameters.
 """
@@ -57,7 +57,7 @@ class TailSpec:
     top_p: bool
     min_p: bool
     grammar: bool      # grammar bit masks per target row
-    dense_q: bool      # a draft model's q ([num_draft_tokens, vocab] on the device); False: one-hot drafts
+    dense_q: bool      # a q ([num_draft_tokens, vocab] on the device, or sparse); False: one-hot drafts
     tree: bool = False  # token trees (each row's parents among the inputs)
     penalties: bool = False   # repetition / presence / frequency penalties on some row
 
@@ -80,12 +80,10 @@ class VerifyStep:
         return [len(p) for p in self.proposals]
 
 
-def tail_spec(step: VerifyStep, vocab: int) -> TailSpec | None:
-    """The spec of a step's tail, or None where the eager rule runs it (a sparse q). The batch facts
-    are the ones RowParams.from_params takes from the same rows."""
+def tail_spec(step: VerifyStep, vocab: int) -> TailSpec:
+    """The spec of a step's tail. The batch facts are the ones RowParams.from_params takes from the
+    same rows."""
     params = step.params
-    if isinstance(step.draft_probs, SparseProbs):
-        return None
     greedy = [p.is_greedy for p in params]
     kind = "all" if all(greedy) else "some" if any(greedy) else "none"
     filters = kind != "all" and any(p.has_filters and not p.is_greedy for p in params)
@@ -234,8 +232,10 @@ class Tail:
         g = self.q - 1
         index = [b * g + i for b, n in enumerate(step.num_draft) for i in range(n)]
         if index:
-            self.draft_q.index_copy_(0, torch.tensor(index, device=self.draft_q.device),
-                                     step.draft_probs.to(self.draft_q.dtype))
+            q = step.draft_probs
+            if isinstance(q, SparseProbs):        # no shape depends on its values (SparseProbs.dense)
+                q = q.dense(torch.arange(len(index), device=q.row.device), len(index), self.vocab, torch.float32)
+            self.draft_q.index_copy_(0, torch.tensor(index, device=self.draft_q.device), q.to(self.draft_q.dtype))
 
     def run(self, logits: torch.Tensor) -> None:
         """The tail over the step's logits [R*Q, vocab]; the result into `out`. Reads nothing back."""

@@ -274,13 +274,12 @@ class ModelRunner:
         """A verify step (tokens[b]: the last committed token, then step.proposals[b], a path or a tree):
         the forward, the logits' processing and the rule in one graph (core/verify_step.py), its
         result read back once. None, having run nothing, where the step does not take that path (no
-        graphs, tails off, a step past the buckets, a step the tail does not take): then `forward`
-        and the eager rule."""
+        graphs, tails off, a step past the buckets): then `forward` and the eager rule."""
         if self.graphs is None or not self.kernels.graph_verify:
             return None
         spec = tail_spec(step, self.vocab_size)
         num_new = [len(t) for t in tokens]
-        bucket = self.graphs.bucket(starts, num_new, "all", tree=spec.tree) if spec is not None else None
+        bucket = self.graphs.bucket(starts, num_new, "all", tree=spec.tree)
         if bucket is None:
             return None
         words = 0 if step.allowed is None else step.allowed.shape[1]

@@ -29,8 +29,10 @@ PRESENT = SamplingParams(temperature=0.9, presence_penalty=1.5, frequency_penalt
 SLOTS = 10
 
 
-def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: bool, dense_q: bool,
+def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: bool, q_form: str,
           tree: bool = False):
+    """A padded step's logits and host data; q_form: one-hot, dense or sparse (a support of 6 tokens a row)."""
+    dense_q = q_form != "one-hot"
     gen = torch.Generator().manual_seed(seed)
     n = len(params)
     num = [int(torch.randint(0, q, (1,), generator=gen)) for _ in range(n)]
@@ -42,6 +44,10 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
         for i in range((num[b] if b < n else 0) + 1, q):
             logits[b * q + i, 0] = 50.0
     q_rows = torch.softmax(torch.randn(sum(num), VOCAB, generator=gen) * 2, dim=-1) if dense_q else None
+    if q_form == "sparse":
+        support = torch.rand(sum(num), VOCAB, generator=gen).argsort(dim=-1)[:, :6]
+        q_rows = torch.zeros_like(q_rows).scatter_(1, support, q_rows.gather(1, support))
+        q_rows /= q_rows.sum(dim=-1, keepdim=True)
     # trees: each token's parent drawn among the root and the tokens before it (a path: the token before)
     parents = [[int(torch.randint(-1, i, (1,), generator=gen)) if tree else i - 1 for i in range(g)] for g in num]
     if tree and seed % 2:                     # root rows favour token 0 too: a tree's pad tokens are root children
@@ -87,6 +93,13 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
                       torch.randint(0, VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen).tolist()
                       + proposals[b][1:2]) for b in range(n)]
         slots = torch.randperm(SLOTS, generator=gen)[:n].tolist()
+    if q_form == "sparse":                    # every draft in its row's support, then the COO entries
+        flat = [t for row in proposals for t in row]
+        for i, t in enumerate(flat):
+            q_rows[i, t] = max(float(q_rows[i, t]), 0.1)
+        q_rows /= q_rows.sum(dim=-1, keepdim=True)
+        entry = q_rows.nonzero()
+        q_rows = SparseProbs(entry[:, 0], entry[:, 1], q_rows[entry[:, 0], entry[:, 1]])
     return VerifyStep(proposals, params, uniforms, allowed, q_rows, parents if tree else None, histories,
                       slots), logits
 
@@ -136,13 +149,13 @@ MIXES = {"greedy": [GREEDY] * 3, "plain": [PLAIN] * 3, "top-k": [TOP_K, PLAIN, T
 
 @pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("grammar", [False, True], ids=["free", "grammar"])
-@pytest.mark.parametrize("dense_q", [False, True], ids=["one-hot", "dense-q"])
+@pytest.mark.parametrize("q_form", ["one-hot", "dense", "sparse"])
 @pytest.mark.parametrize("rows,q,tree", [(4, 5, False), (8, 3, False), (4, 1, False), (4, 9, True), (8, 6, True)],
                          ids=["4x5", "8x3", "4x1", "4x9-trees", "8x6-trees"])
-def test_the_tail_gives_the_eager_rule(mix, grammar, dense_q, rows, q, tree):
+def test_the_tail_gives_the_eager_rule(mix, grammar, q_form, rows, q, tree):
     accepted = rejected = 0
     for seed in range(12):
-        step, logits = _case(seed, rows, q, MIXES[mix], grammar, dense_q and q > 1, tree)
+        step, logits = _case(seed, rows, q, MIXES[mix], grammar, q_form if q > 1 else "one-hot", tree)
         want = _eager(step, logits, q)
         got, spec = _tail(step, logits, rows, q)
         assert got.num_accepted == want.num_accepted, seed
@@ -172,7 +185,7 @@ def test_the_spec_takes_the_batch_facts_of_the_real_rows():
     assert tail_spec(step([GREEDY], q=torch.zeros(1, VOCAB)), VOCAB).dense_q is False   # greedy: argmax only
     assert tail_spec(step([SamplingParams(temperature=0.5, repetition_penalty=1.2)]), VOCAB).penalties
     sparse = SparseProbs(torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
-    assert tail_spec(step([PLAIN], q=sparse), VOCAB) is None
+    assert tail_spec(step([PLAIN], q=sparse), VOCAB).dense_q            # made dense on the device first
 
 
 def test_the_top_k_width_changes_nothing_for_rows_below_it():
@@ -194,7 +207,7 @@ def test_slot_counts_follow_commits_and_new_sequences():
     rule, whose counts come from the full histories."""
     counts = SlotCounts(SLOTS, VOCAB, "cpu")
     rows, q = 4, 5
-    step, logits = _case(3, rows, q, [REPEAT, PRESENT, REPEAT], False, False)
+    step, logits = _case(3, rows, q, [REPEAT, PRESENT, REPEAT], False, "one-hot")
     history = [list(h) for h in step.histories]
     for n in range(5):
         got, _ = _tail(step, logits, rows, q, counts)
