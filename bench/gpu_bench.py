@@ -296,7 +296,8 @@ def describe(name: str, r: dict) -> str:
     timed = f", {r['compiles_timed']} compiles timed" if r.get("compiles_timed") else ""
     layers = (f", {r['compiled_layers']} layers compiled" if r["compiled_layers"] else "") + (
         f", layers not compiled: {r['layers_off_because']}" if r["layers_off_because"] else "")
-    return (f"{name}{graphs} compile={r['compile']}({r['attention']}{layers}) batch={r['batch']} drafter={r['drafter']}: "
+    return (f"{name}{graphs} compile={r['compile']}({r['attention']}{layers}) batch={r['batch']} "
+            f"drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "
             f"{r['tokens_per_round']:.2f} tok/round, acceptance {acc}, warm-up {r['warmup_s']:.1f} s{timed}{cut}\n"
             f"    HBM floor: {r['floor_steps_per_s']:8.0f} steps/s -> {r['floor_tokens_per_s']:9.0f} tok/s (weights), "

@@ -245,8 +245,9 @@ class Tail:
         counts = self._penalty_counts() if spec.penalties else (None, None)
         if spec.greedy == "all":
             argmax = greedy_tokens(logits, rp, *counts, allowed=self.bits)
-            out = (verify_tree_greedy(self.draft_ids, self.cu, self.parents, argmax, max_depth=g, num_valid=self.num_draft)
-                   if spec.tree else verify_greedy(self.draft_ids, self.cu, argmax, max_draft=g, num_valid=self.num_draft))
+            out = (verify_tree_greedy(self.draft_ids, self.cu, self.parents, argmax, max_depth=g,
+                                      num_valid=self.num_draft) if spec.tree
+                   else verify_greedy(self.draft_ids, self.cu, argmax, max_draft=g, num_valid=self.num_draft))
         else:
             probs = processed_probs(logits, rp, *counts, allowed=self.bits)
             is_greedy = rp.is_greedy.view(rows, self.q)[:, 0]
@@ -259,7 +260,6 @@ class Tail:
                              max_draft=g, any_greedy=spec.greedy == "some", num_valid=self.num_draft)
         parts = [out.num_accepted, out.output_ids.reshape(-1), out.is_accepted.long()]
         torch.cat(parts + [out.path.reshape(-1)] if spec.tree else parts, out=self.out)
-
 
     def _penalty_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Output and prompt counts per position [R*Q, vocab]: its slot's, plus its path's draft tokens."""

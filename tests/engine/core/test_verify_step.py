@@ -89,9 +89,9 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
                 uniforms[1][b] = 0
     histories, slots = None, None
     if any(p.has_penalties for p in params):  # histories that share tokens with the drafts and the argmax
-        histories = [(torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist(),
-                      torch.randint(0, VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen).tolist()
-                      + proposals[b][1:2]) for b in range(n)]
+        tokens = lambda least: torch.randint(0, VOCAB, (int(torch.randint(least, 12, (1,), generator=gen)),),
+                                             generator=gen).tolist()
+        histories = [(tokens(1), tokens(0) + proposals[b][1:2]) for b in range(n)]
         slots = torch.randperm(SLOTS, generator=gen)[:n].tolist()
     if q_form == "sparse":                    # every draft in its row's support, then the COO entries
         flat = [t for row in proposals for t in row]
@@ -120,7 +120,8 @@ def _eager(step: VerifyStep, logits: torch.Tensor, q: int):
     rp = RowParams.from_params(row_params, "cpu")
     counts = (None, None)
     if step.histories is not None:
-        seqs = [SimpleNamespace(prompt_ids=h[0], output_ids=h[1]) for h, g in zip(step.histories, num) for _ in range(g + 1)]
+        seqs = [SimpleNamespace(prompt_ids=h[0], output_ids=h[1])
+                for h, g in zip(step.histories, num) for _ in range(g + 1)]
         extra = [path for b, row in enumerate(step.proposals)
                  for path in _path_prefixes(step.parents[b] if step.parents else list(range(-1, len(row) - 1)), row)]
         counts = penalty_counts(seqs, extra, VOCAB, "cpu")
