@@ -15,6 +15,7 @@ import torch
 from conftest import greedy_reference, make_engine, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.backends.cuda.graphs import MAX_Q, MAX_TOKENS, MIN_KEYS, UNCAPTURED, Bucket, policy
+from pipeline.engine.core.verify_step import VerifyStep
 from pipeline.engine.model.runner import build_runner
 
 VOCAB = 512
@@ -41,6 +42,12 @@ def test_policy_and_store():
     assert graphs.cache.num_slots == 4 and graphs.cache.max_len == 100 + MAX_Q - 1   # spare slot, pad room
     # where our CPU kernels take every forward there is nothing for a graph to replay
     assert build_runner(tiny_llama(), 2, 64, cuda_graphs=UNCAPTURED).graphs is None
+    # verification inside the graph: taken where the switch allows it, and nothing run where it does not
+    step = VerifyStep([[5]], [SamplingParams(temperature=0)], None, None, None)
+    assert graphs.forward_verify([0], [0], [[1, 5]], step).num_accepted in ([0], [1])
+    off = build_runner(tiny_llama(), 3, 100, packed_linear=False, cpu_attention="off", cuda_graphs=UNCAPTURED,
+                       graph_verify=False)
+    assert off.forward_verify([0], [0], [[1, 5]], step) is None and off.num_forward_tokens == 0
 
 
 def test_buckets():
