@@ -39,7 +39,7 @@ from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
-from .core.tree import children, num_leaves
+from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
 from .core.verify_step import VerifyStep
@@ -389,7 +389,7 @@ class SpecEngine:
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)
                 out = self._verify_rule(batch, drafts, logits, inputs, allowed, uniforms).to_host()
-            for s, toks in zip(batch, inputs):                  # logits: [num_draft + num_seqs, vocab]
+            for s, toks in zip(batch, inputs):
                 s.num_computed += len(toks)
             if drafts.is_tree:                                  # the accepted paths' KV next to the committed
                 self.target.move_path(slots, starts,
@@ -403,7 +403,7 @@ class SpecEngine:
         _verify_uniforms), on p processed per row on that row's own prefix (the round's inputs before
         it), masked by `allowed` (the rows' grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
-        prefixes = [path for b, toks in enumerate(inputs) for path in _path_prefixes(drafts.parents_of(b), toks)]
+        prefixes = [path for b, toks in enumerate(inputs) for path in path_tokens(drafts.parents_of(b), toks[1:])]
         greedy = [s.params.is_greedy for s in batch]
         if all(greedy):                                 # argmax only: no vocabulary-sized rows
             target_rows = row_probs(logits, row_seqs, prefixes, argmax_only=True, allowed=allowed)
@@ -411,7 +411,7 @@ class SpecEngine:
             target_rows = row_probs(logits, row_seqs, prefixes, allowed=allowed)     # [num_draft + num_seqs, vocab]
             uniforms = tuple(u.to(target_rows.device) for u in uniforms)
         return verify_drafts(drafts.draft_ids, drafts.cu_num_draft, drafts.num_draft, drafts.parents, target_rows,
-                             drafts.draft_probs, greedy, uniforms if not all(greedy) else None)
+                             drafts.draft_probs, greedy, uniforms)
 
     def _verify_uniforms(self, batch, num_draft) -> tuple[torch.Tensor, torch.Tensor]:
         """g + 1 uniforms per sampled sequence per round, from its own verify generator (host tensors)."""
@@ -496,11 +496,3 @@ class SpecEngine:
                 on_step(out)
         return done
 
-
-def _path_prefixes(parents: list[int], inputs: list[int]) -> list[list[int]]:
-    """Per input of a row (root first), the draft tokens of its path (a single path: the drafts before
-    it): what the penalties count as generated this round before the token the row's distribution is for."""
-    paths: list[list[int]] = [[]]
-    for i, p in enumerate(parents):
-        paths.append(paths[p + 1] + [inputs[i + 1]])
-    return paths

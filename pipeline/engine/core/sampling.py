@@ -84,8 +84,14 @@ class RowParams:
         """The top-k width the filters take (0: no row keeps only its top k)."""
         if self.top_k_width is not None:
             return min(self.top_k_width, vocab)
-        ks = [min(k, vocab) if k > 0 else vocab for k in self.top_ks]
-        return max(ks) if any(k < vocab for k in ks) else 0
+        return top_k_width(self.top_ks, vocab)
+
+
+def top_k_width(top_ks, vocab: int) -> int:
+    """The top-k width that serves every row (a row without top-k counts as the whole vocabulary), or 0
+    where no row keeps only its top k."""
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
+    return max(ks) if any(k < vocab for k in ks) else 0
 
 
 def token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:

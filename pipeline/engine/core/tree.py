@@ -68,6 +68,16 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+def path_tokens(parents: list[int], drafts: list[int]) -> list[list[int]]:
+    """Per input of a row (the root first), the draft tokens of its path, its own included (a single
+    path: the drafts up to it): what penalties count as generated this round before the token the
+    input's distribution is for."""
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(parents):
+        paths.append(paths[p + 1] + [drafts[i]])
+    return paths
+
+
 def children(parents: list[int]) -> list[list[int]]:
     """children[j + 1]: the tokens whose parent is j (children[0]: the root's), in index order."""
     out: list[list[int]] = [[] for _ in range(len(parents) + 1)]

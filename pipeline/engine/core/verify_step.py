@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams
-from .sampling import RowParams, greedy_tokens, processed_probs
+from .sampling import RowParams, greedy_tokens, processed_probs, top_k_width
+from .tree import chain, path_tokens
 from .verify import HostVerifyOutput, SparseProbs, verify, verify_greedy
 from .verify_tree import verify_tree, verify_tree_greedy
 
@@ -87,11 +88,9 @@ def tail_spec(step: VerifyStep, vocab: int) -> TailSpec:
     greedy = [p.is_greedy for p in params]
     kind = "all" if all(greedy) else "some" if any(greedy) else "none"
     filters = kind != "all" and any(p.has_filters and not p.is_greedy for p in params)
-    width = 0
-    if filters:
-        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        if any(k < vocab for k in ks):
-            width = min(1 << (max(ks) - 1).bit_length(), vocab)
+    width = top_k_width([p.top_k for p in params], vocab) if filters else 0
+    if width:                   # rounded up: fewer kinds of step, the same kept tokens
+        width = min(1 << (width - 1).bit_length(), vocab)
     return TailSpec(kind, width, filters and any(p.top_p < 1 for p in params),
                     filters and any(p.min_p > 0 for p in params), step.allowed is not None,
                     kind != "all" and step.draft_probs is not None, step.parents is not None,
@@ -177,14 +176,11 @@ class Tail:
         if self.spec.tree:          # pad tokens: root children, never tried (verify_tree.py's num_valid)
             parents = [p for row in step.parents for p in row + [-1] * (g - len(row))] + [-1] * ((rows - len(num)) * g)
         slots, before = [], []
-        if self.spec.penalties:     # each position's path tokens before it (its own draft token included)
+        if self.spec.penalties:     # each position's path tokens (its own draft token included)
             slots = step.slots + [0] * (rows - len(num))
             for b in range(rows):
                 row = step.proposals[b] if b < len(num) else []
-                up = step.parents[b] if self.spec.tree and b < len(num) else list(range(-1, len(row) - 1))
-                paths = [[]]
-                for i, p in enumerate(up):
-                    paths.append(paths[p + 1] + [row[i]])
+                paths = path_tokens(step.parents[b] if self.spec.tree and b < len(num) else chain(len(row)), row)
                 paths += [[]] * (q - len(paths))
                 before += [t for path in paths for t in path + [self.vocab] * (g - len(path))]
         ints = torch.tensor(ids + num + [0] * (rows - len(num)) + parents + slots + before, dtype=torch.int64)

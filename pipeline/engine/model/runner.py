@@ -95,6 +95,7 @@ class ModelRunner:
         self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self._counts: SlotCounts | None = None   # penalty counts per slot (forward_verify)
+        self._draft_q: torch.Tensor | None = None   # every verify tail's dense q rows (forward_verify)
         self.cache_kwarg = cache_kwarg(model)
         self.kernels = kernels
         self._apply(model, chosen, kernels, config.max_prefill_tokens)
@@ -255,8 +256,7 @@ class ModelRunner:
         layout = make_layout(slots, starts, tokens, self.device, flex=flex, kernel=kernel, parents=parents,
                              last_tokens=last_tokens)
         if flex:
-            layout.flex = block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
-                                       layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=parents is not None)
+            layout.flex = self._flex_tables(layout)
         # Positions to compute logits for: 0 (every token), else a 1D index tensor, the form every
         # transformers 5 release reads the same way (a boolean mask is only understood by recent ones);
         # "none" keeps one, as HF needs >= 1.
@@ -294,8 +294,7 @@ class ModelRunner:
         return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft, spec.tree)
 
     def _flex_tables(self, layout) -> tuple[torch.Tensor, ...]:
-        """FlexAttention's block tables for a layout, from its row table on the device (the graphs'
-        attention by lengths)."""
+        """FlexAttention's block tables for a layout, from its row table on the device."""
         return block_tables(layout.slots, layout.row_table[1], layout.row_table[2], self.cache.num_slots,
                             layout.is_valid.shape[1], self.cache.max_len // BLOCK, tree=layout.tree is not None)
 
@@ -312,7 +311,7 @@ class ModelRunner:
 
     def _q_buffer(self) -> torch.Tensor:
         """Every tail's dense q rows ([MAX_TOKENS, vocab] float32, made on first use)."""
-        if getattr(self, "_draft_q", None) is None:
+        if self._draft_q is None:
             self._draft_q = torch.zeros(MAX_TOKENS, self.vocab_size, dtype=torch.float32, device=self.device)
         return self._draft_q
 

@@ -14,6 +14,7 @@ import torch
 from pipeline.engine import SamplingParams
 from pipeline.engine.core.sampling import RowParams, greedy_tokens, penalty_counts, processed_probs
 from pipeline.engine.core.verify import SparseProbs
+from pipeline.engine.core.tree import chain, path_tokens
 from pipeline.engine.core.verify_rule import verify_drafts
 from pipeline.engine.core.verify_step import SlotCounts, Tail, TailSpec, VerifyStep, tail_spec, unpack
 
@@ -104,12 +105,6 @@ def _case(seed: int, rows: int, q: int, params: list[SamplingParams], grammar: b
                       slots), logits
 
 
-def _path_prefixes(parents: list[int], inputs: list[int]) -> list[list[int]]:
-    paths = [[]]
-    for i, p in enumerate(parents):
-        paths.append(paths[p + 1] + [inputs[i]])
-    return paths
-
 
 def _eager(step: VerifyStep, logits: torch.Tensor, q: int):
     """The rule after a forward: ragged rows, processed (penalties counting each row's history and its
@@ -123,7 +118,7 @@ def _eager(step: VerifyStep, logits: torch.Tensor, q: int):
         seqs = [SimpleNamespace(prompt_ids=h[0], output_ids=h[1])
                 for h, g in zip(step.histories, num) for _ in range(g + 1)]
         extra = [path for b, row in enumerate(step.proposals)
-                 for path in _path_prefixes(step.parents[b] if step.parents else list(range(-1, len(row) - 1)), row)]
+                 for path in path_tokens(step.parents[b] if step.parents else chain(len(row)), row)]
         counts = penalty_counts(seqs, extra, VOCAB, "cpu")
     ragged = logits[real]
     greedy = [p.is_greedy for p in step.params]

@@ -33,9 +33,10 @@ block tables are built in the graph from the row table (each row's slot, start a
 reads its own key blocks and nothing is gathered or masked over the keys bucket, which is then one
 size (the store's) for every step. Elsewhere it is the padded path of kv_cache.slot_attention, its
 float mask built in the graph from the positions. Static shapes, no host sync, either way. A capture
-that fails with attention by lengths turns that off first (the padded path is captured next). A step with token trees (kv/layout.py's
-TreeRows) has buckets of its own, whose mask also reads the rows' starts and the tokens' bits. Prefill (logits "none") and steps past the
-largest bucket run eagerly, as do all steps where graphs are off.
+that fails with attention by lengths turns that off first (the padded path is captured next). A step
+with token trees (kv/layout.py's TreeRows) has buckets of its own, whose mask also reads the rows'
+starts and the tokens' bits. Prefill (logits "none") and steps past the largest bucket run eagerly, as
+do all steps where graphs are off.
 
 Each bucket is captured on first use, after one uncaptured run of the same padded forward on the same
 inputs (which also warms up the kernels). Its first replay must reproduce that run's logits for the
@@ -122,6 +123,13 @@ class _BucketState:
             kv_len=bucket.keys, slot_range=None,
             tree=TreeRows(tree[0].view(rows, q), tree[1].view(rows, q), tree[0], tree[1]) if tree else None)
         self.replay: Callable[[], None] | None = None      # set once captured and checked
+
+
+def _replays(replayed: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a replay's logits are its uncaptured run's (the same kernels on the same inputs, to 1e-3
+    of the largest logit)."""
+    scale = reference.abs().max().clamp(min=1.0)
+    return bool(((replayed - reference).abs().max() <= 1e-3 * scale).item())
 
 
 class CudaCapture:
@@ -211,7 +219,7 @@ class StepGraphs:
         real = [i for b, row in enumerate(tokens)
                 for i in (range(b * bucket.q, b * bucket.q + len(row)) if bucket.logits == "all" else [b])]
         staged = self._stage(state, slots, starts, tokens, parents, torch.tensor(real, dtype=torch.long))
-        real_idx = staged[state.buffer.numel():]
+        real_idx = staged.view(torch.long)[state.buffer.numel():]
         if last_tokens is not None:                  # the ids lead the buffer: row b's last at b * q + n_b - 1
             state.buffer.index_copy_(0, state.layout.row_ends[:len(tokens)].clone(), last_tokens)
         self.num_replays += 1
@@ -260,9 +268,8 @@ class StepGraphs:
         return state
 
     def _stage(self, state: _BucketState, slots, starts, tokens, parents, extra: torch.Tensor) -> torch.Tensor:
-        """One host-to-device copy of the bucket's inputs and `extra` (int64: the real rows' logits
-        index, staged after them; uint8: a tail's inputs, staged as bytes after them); the bucket's
-        buffer filled from it. Returns the staged tensor (uint8 where extra is)."""
+        """One host-to-device copy of the bucket's inputs and then `extra`'s bytes (the real rows' logits
+        index, or a tail's inputs); the bucket's buffer filled from it. Returns the staged bytes (uint8)."""
         bucket = state.bucket
         rows, q = bucket.rows, bucket.q
         pad_rows = rows - len(slots)
@@ -282,13 +289,8 @@ class StepGraphs:
                  + [b * q for b in range(rows)])
         tree_part = write_pos + list(range(q)) * pad_rows + bits + [-1] * (pad_rows * q) if bucket.tree else []
         host = torch.tensor(ids + table + positions + row_ends + tree_part, dtype=torch.long)
-        fixed = state.buffer.numel()
-        if extra.dtype == torch.uint8:
-            staged = torch.cat([host.view(torch.uint8), extra]).to(self.device)
-            state.buffer.copy_(staged[:8 * fixed].view(torch.long))
-        else:
-            staged = torch.cat([host, extra]).to(self.device)
-            state.buffer.copy_(staged[:fixed])
+        staged = torch.cat([host.view(torch.uint8), extra.view(torch.uint8)]).to(self.device)
+        state.buffer.copy_(staged[:8 * state.buffer.numel()].view(torch.long))
         return staged
 
     def _run(self, state: _BucketState) -> None:
@@ -328,8 +330,7 @@ class StepGraphs:
             self._fail(f"capturing {state.bucket} raised {type(exc).__name__}: {exc}", self._disable)
             return reference
         replayed = self._real(state.bucket, real_idx)
-        scale = reference.abs().max().clamp(min=1.0)
-        if not bool(((replayed - reference).abs().max() <= 1e-3 * scale).item()):
+        if not _replays(replayed, reference):
             self._fail(f"the replay of {state.bucket} differs from its uncaptured run", self._disable)
             return reference
         state.replay = replay
@@ -353,10 +354,7 @@ class StepGraphs:
                            self._disable_tails)
                 tail.out.copy_(reference)
                 return
-            scale = logits.abs().max().clamp(min=1.0)
-            same = torch.equal(tail.out, reference) and bool(
-                ((self._out[:state.bucket.tokens] - logits).abs().max() <= 1e-3 * scale).item())
-            if not same:
+            if not (torch.equal(tail.out, reference) and _replays(self._out[:state.bucket.tokens], logits)):
                 self._fail(f"the replay of {state.bucket} with its tail differs from its uncaptured run",
                            self._disable_tails)
                 tail.out.copy_(reference)
