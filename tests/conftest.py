@@ -146,7 +146,8 @@ def drafting_method(kind: str) -> str:
 def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model_len=256, g=4,
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
-                forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None, target_switches=None):
+                forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None, target_switches=None,
+                run_ahead="auto"):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: the plan measured on
@@ -156,12 +157,13 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     CUDA graphs (cuda_graphs.py): auto captures them on CUDA; "uncaptured" runs their padded, bucketed
     forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path.
     tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0). target_switches: more
-    of the target runner's Kernels switches (model/plan.py)."""
+    of the target runner's Kernels switches (model/plan.py). run_ahead: engine.run_ahead ("on" with
+    "uncaptured" graphs runs steps ahead on CPU)."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
                            cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree,
                            linear_plan=linear_plan)
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                       compile=compile, prefix_reuse=prefix_reuse,
+                       compile=compile, prefix_reuse=prefix_reuse, run_ahead=run_ahead,
                        cuda_graphs="off" if cuda_graphs == UNCAPTURED else cuda_graphs)
     # The runner regroups its model's linears in place on CPU (cpu/linear.py): it gets its own copy, so
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).

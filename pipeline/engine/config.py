@@ -47,9 +47,13 @@ class EngineConfig:
                                      # compile, on steps where it is the cheaper kernel) | on | off; on CUDA
                                      # (not off) also each decoder layer compiled (backends/compiled.py)
     cuda_graphs: str = "auto"        # steps replayed as captured CUDA graphs: auto (on CUDA) | on | off
+    run_ahead: str = "auto"          # a step without drafts launched before the previous one is read back,
+                                     # its input left on the device: auto (where verify steps run in
+                                     # captured graphs) | on (raises where they have no graphs) | off
 
     def __post_init__(self):
-        self.compile, self.cuda_graphs = _switch(self.compile), _switch(self.cuda_graphs)
+        self.compile, self.cuda_graphs, self.run_ahead = map(_switch, (self.compile, self.cuda_graphs,
+                                                                        self.run_ahead))
         if self.max_num_seqs != AUTO:
             _int_at_least("engine.max_num_seqs", self.max_num_seqs, 1)
         _int_at_least("engine.max_model_len", self.max_model_len, 2)
@@ -59,6 +63,7 @@ class EngineConfig:
         one_of("engine.kernels", self.kernels, KERNELS)
         one_of("engine.compile", self.compile, MODES)
         one_of("engine.cuda_graphs", self.cuda_graphs, MODES)
+        one_of("engine.run_ahead", self.run_ahead, MODES)
 
 
 @dataclass(frozen=True)

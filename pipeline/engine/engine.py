@@ -42,7 +42,7 @@ from .core.scheduler import Scheduler
 from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
-from .core.verify_step import VerifyStep
+from .core.verify_step import Readback, VerifyStep
 from .drafting.adaptive import AdaptiveDraftLength, CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
@@ -105,6 +105,22 @@ class StepOutput:
 class _SeqRng:
     draft: torch.Generator
     verify: torch.Generator
+
+
+@dataclass
+class _Launched:
+    """A step launched on the target: its rows, their drafts, each row's first position and inputs, and
+    its readback (None where the verifier ran after an eager forward: its output is `out`)."""
+    batch: list[Sequence]
+    guided: GuidedDraft
+    walk: RoundWalk | None
+    starts: list[int]
+    inputs: list[list[int]]
+    draft_s: float
+    catch_up_s: float
+    launch_s: float
+    readback: Readback | None = None
+    out: HostVerifyOutput | None = None
 
 
 def seq_generators(seed: int, request_id: str) -> _SeqRng:
@@ -170,6 +186,20 @@ class SpecEngine:
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
+        self.run_ahead = self._run_ahead_policy()
+        self.num_steps_ahead = 0         # of num_steps, those launched before the previous one was read back
+        self._ahead: _Launched | None = None   # the step launched ahead, not yet read back
+
+    def _run_ahead_policy(self) -> bool:
+        """Whether steps without drafts run ahead (engine.run_ahead): auto where the target's verify
+        steps run in captured graphs; on where they run in its step graphs, captured or not."""
+        graphs = self.target.graphs
+        possible = graphs is not None and self.target.kernels.graph_verify
+        mode = self.config.run_ahead
+        if mode == "on" and not possible:
+            raise ValueError("engine.run_ahead=on: the target's verify steps do not run in step graphs "
+                             "(engine.cuda_graphs off or unavailable); set engine.run_ahead to auto or off")
+        return possible and (mode == "on" or (mode == AUTO and graphs.capture is not None))
 
     @property
     def grammar_s(self) -> float:
@@ -232,21 +262,32 @@ class SpecEngine:
 
     # ---- the round ------------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """One round for every running sequence: admit -> draft -> verify -> commit -> emit."""
+        """One round for every running sequence: admit -> draft -> verify -> commit -> emit. Where steps
+        run ahead (engine.run_ahead), a step without drafts launches the next one before it is read back
+        (_launch_ahead): the device never waits for the host's commit, and the committed tokens are
+        the same."""
         if self.drafting.adaptive and not self.costs.is_calibrated:
             self.calibrate()
-        self._admit()
-        batch = list(self.scheduler.running)
-        if not batch:
-            return StepOutput()
-        guided, walk, draft_s, catch_up_s = self._draft(batch)
-        drafts = guided.drafts
-        out, verify_s = self._verify(batch, drafts, walk)
-        self.costs.observe(batch_size=len(batch), num_draft=sum(guided.num_drafted), draft_s=draft_s - catch_up_s,
-                           target_tokens=len(batch) + sum(drafts.num_draft), verify_s=verify_s,
-                           draft_steps=max(guided.num_drafted))
-        rounds = self._commit(batch, guided, walk, out, draft_s, verify_s)
-        finished = self._emit(batch)
+        step, self._ahead = self._ahead, None
+        if step is None:
+            self._admit()
+            batch = list(self.scheduler.running)
+            if not batch:
+                return StepOutput()
+            step = self._launch(batch, *self._draft(batch))
+        else:
+            self.num_steps_ahead += 1
+        if self._may_run_ahead(step):
+            self._ahead = self._launch_ahead(step)
+        out, verify_s = self._finish(step)
+        guided, drafts = step.guided, step.guided.drafts
+        self.costs.observe(batch_size=len(step.batch), num_draft=sum(guided.num_drafted),
+                           draft_s=step.draft_s - step.catch_up_s, target_tokens=len(step.batch) + sum(drafts.num_draft),
+                           verify_s=verify_s, draft_steps=max(guided.num_drafted))
+        rounds, alive = self._commit(step, out, verify_s)
+        finished = self._emit(alive)
+        if self._ahead is not None and all(s.is_finished for s in self._ahead.batch):
+            self._ahead = None              # every row it runs ended here: nothing of it is needed
         self.num_steps += 1
         return StepOutput(finished=finished, rounds=rounds)
 
@@ -368,33 +409,83 @@ class SpecEngine:
             wanted = [drafting.num_speculative_tokens] * len(batch)
         return [max(0, min(g, self._room(s))) for g, s in zip(wanted, batch)]
 
-    def _verify(self, batch: list[Sequence], drafts: DraftBatch,
-                walk: RoundWalk | None = None) -> tuple[HostVerifyOutput, float]:
-        """One target forward over [last committed token, drafts] of every sequence, then the rule,
-        then the step's one device-to-host readback: in one graph where the runner has it for the step
-        (ModelRunner.forward_verify), else the forward and then the rule. Returns the verifier's output
-        (host lists) and the phase's seconds."""
+    def _launch(self, batch: list[Sequence], guided: GuidedDraft, walk: RoundWalk | None, draft_s: float,
+                catch_up_s: float, ahead_of: _Launched | None = None) -> _Launched:
+        """One target forward over [last committed token, drafts] of every sequence, then the rule, with
+        the step's one device-to-host readback started: in one graph where the runner has it for the
+        step (ModelRunner.launch_verify), else the forward and then the rule, read back at once.
+        ahead_of: the step before, not yet read back; its rows' last committed token (the token it
+        emits) and first position follow from it, the token staying on the device."""
+        drafts = guided.drafts
         with Stopwatch() as phase:
-            inputs = [[s.last_id] + drafts.tokens(b) for b, s in enumerate(batch)]
-            starts, slots = [s.num_computed for s in batch], [s.slot for s in batch]
+            starts, last, carry = [s.num_computed for s in batch], [s.last_id for s in batch], None
+            if ahead_of is not None:
+                before = {id(s): i for i, s in enumerate(ahead_of.batch)}
+                pairs = [(b, before[id(s)]) for b, s in enumerate(batch) if id(s) in before]
+                for b, i in pairs:
+                    starts[b] = ahead_of.starts[i] + len(ahead_of.inputs[i])
+                    last[b] = 0                                 # a placeholder: the token is on the device
+                carry = (ahead_of.readback.first_tokens, pairs)
+            inputs = [[t] + drafts.tokens(b) for b, t in enumerate(last)]
+            slots = [s.slot for s in batch]
             uniforms = (None if all(s.params.is_greedy for s in batch)
                         else self._verify_uniforms(batch, drafts.num_draft))
             with self._grammar_time:   # [sum(g + 1), words] on the host
                 allowed = walk.target_allowed(drafts.num_draft, "cpu") if walk is not None else None
             penalties = any(s.params.has_penalties for s in batch)
-            out = self.target.forward_verify(slots, starts, inputs, VerifyStep(
-                drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs, drafts.parents,
-                [(s.prompt_ids, s.output_ids) for s in batch] if penalties else None, slots if penalties else None))
-            if out is None:
+            step = VerifyStep(drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs,
+                              drafts.parents, [(s.prompt_ids, s.output_ids) for s in batch] if penalties else None,
+                              slots if penalties else None)
+            readback = self.target.launch_verify(slots, starts, inputs, step, carry)
+            out = None
+            if readback is None:
+                if carry is not None:           # no graph takes this step: the tokens carried are read first
+                    emitted = ahead_of.readback.result().output_ids
+                    for b, i in carry[1]:
+                        inputs[b][0] = emitted[i][0]
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)
                 out = self._verify_rule(batch, drafts, logits, inputs, allowed, uniforms).to_host()
-            for s, toks in zip(batch, inputs):
-                s.num_computed += len(toks)
-            if drafts.is_tree:                                  # the accepted paths' KV next to the committed
-                self.target.move_path(slots, starts,
+        return _Launched(batch, guided, walk, starts, inputs, draft_s, catch_up_s, phase.s, readback, out)
+
+    def _finish(self, step: _Launched) -> tuple[HostVerifyOutput, float]:
+        """The step's verifier output, read back (the step's one device-to-host wait), and a tree's accepted
+        paths' KV moved next to the committed tokens. Returns it and the verify phase's seconds (the
+        launch and this wait)."""
+        with Stopwatch() as wait:
+            out = step.out if step.readback is None else step.readback.result()
+            if step.guided.drafts.is_tree:
+                self.target.move_path([s.slot for s in step.batch], step.starts,
                                       [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
-        return out, phase.s
+        return out, step.launch_s + wait.s
+
+    def _may_run_ahead(self, step: _Launched) -> bool:
+        """Whether the next step may be launched before this one is read back: steps run ahead, this one
+        ran in a graph and proposes nothing (so it emits one token per row, on the device), and no row
+        needs its tokens on the host first (a grammar's mask, penalty counts) or ends by its length here."""
+        graphs = self.target.graphs
+        if not (self.run_ahead and step.readback is not None and graphs.enabled and graphs.tails_enabled
+                and self.drafter.kind == "none" and not any(step.guided.drafts.num_draft)):
+            return False
+        room = self.config.max_model_len
+        return all(self._plain(s) and s.params.max_tokens - len(s.output_ids) >= 2 and room - s.num_tokens >= 2
+                   for s in step.batch)
+
+    @staticmethod
+    def _plain(seq: Sequence) -> bool:
+        """A row whose next step needs nothing of its last token on the host."""
+        return seq.guide is None and not seq.params.has_penalties
+
+    def _launch_ahead(self, step: _Launched) -> _Launched | None:
+        """The next step, launched while `step` runs: free slots admitted (their prompts' chunks queued
+        behind it), then every running row, `step`'s taking its emitted token from the device. None where
+        a newly admitted row needs its grammar or penalties (the next step then runs after this one's
+        commit)."""
+        self._admit()
+        batch = list(self.scheduler.running)
+        if not all(self._plain(s) for s in batch):
+            return None
+        return self._launch(batch, *self._draft(batch), ahead_of=step)
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
                      inputs: list[list[int]], allowed: torch.Tensor | None = None,
@@ -422,20 +513,26 @@ class SpecEngine:
             sample.append(u[g:])
         return torch.cat(accept), torch.cat(sample)
 
-    def _commit(self, batch: list[Sequence], guided: GuidedDraft, walk: RoundWalk | None, out: HostVerifyOutput,
-                draft_s: float, verify_s: float) -> list[RoundRecord]:
+    def _commit(self, step: _Launched, out: HostVerifyOutput, verify_s: float) -> tuple[list[RoundRecord],
+                                                                                     list[Sequence]]:
         """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back (the
-        target's here, the drafter's in on_commit) and grammar walks to the committed tokens.
-        Returns the round records."""
-        rounds, drafts = [], guided.drafts
+        target's here, the drafter's in on_commit) and grammar walks to the committed tokens. A row that
+        ended in the step before (this step ran ahead of its readback) commits nothing. Returns the
+        round records and the rows that committed."""
+        batch, guided, walk, draft_s = step.batch, step.guided, step.walk, step.draft_s
+        rounds, drafts, alive = [], guided.drafts, []
         is_accepted, cu = out.is_accepted, [0, *itertools.accumulate(drafts.num_draft)]
         for b, seq in enumerate(batch):
+            if seq.is_finished:
+                continue
+            alive.append(seq)
             g, k = drafts.num_draft[b], out.num_accepted[b]
             tokens = out.output_ids[b][:k + 1]
             with self._grammar_time:
                 may_stop = walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
             emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
-            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)          # rollback = a length
+            computed = step.starts[b] + len(step.inputs[b])
+            seq.num_computed = min(computed, seq.num_tokens - 1)          # rollback = a length
             mask = is_accepted[cu[b]:cu[b + 1]]
             ahead, drafted = guided.num_forced_ahead[b], guided.num_drafted[b]
             forced_rows = [i for i in range(g) if i < ahead or i >= ahead + drafted]
@@ -458,8 +555,8 @@ class SpecEngine:
             seq.num_rounds += 1
             seq.num_draft_tokens += g
             seq.num_accepted += k
-        self.drafter.on_commit(batch)
-        return rounds
+        self.drafter.on_commit(alive)
+        return rounds, alive
 
     def _emit(self, batch: list[Sequence]) -> list[Completion]:
         """Free the slots of finished sequences (in the scheduler and the drafter); their completions."""

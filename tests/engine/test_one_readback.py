@@ -13,7 +13,8 @@ rows still going and reads whether any is, once per try.
 The runner takes the bucketed graph path (uncaptured on CPU: tests/engine/backends/test_cuda_graphs.py)
 for verify steps and the eager path for prompt chunks, as on a GPU; prompts arrive while others decode.
 Steps verify inside the graph (core/verify_step.py) and read back its output (ModelRunner.forward_verify),
-or, with verification inside the graph off, after it (VerifyOutput.to_host): both are counted.
+or, with verification inside the graph off, after it (VerifyOutput.to_host): both are counted, and so are
+steps run ahead (engine.run_ahead), whose inputs stay on the device.
 """
 from __future__ import annotations
 
@@ -114,10 +115,12 @@ def models():
     return tiny_llama(), tiny_llama(seed=1)
 
 
-def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParams(), inside: bool = True):
+def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParams(), inside: bool = True,
+         run_ahead: str = "off"):
     target, draft = models
     engine = make_engine(target, kind, draft if kind in ("draft", "hybrid") else None, max_num_seqs=4,
-                         max_model_len=160, g=4, cpu_attention="off", cuda_graphs=UNCAPTURED, tree=tree)
+                         max_model_len=160, g=4, cpu_attention="off", cuda_graphs=UNCAPTURED, tree=tree,
+                         run_ahead=run_ahead)
     engine.target.graphs.tails_enabled = inside
     prompts = mixed_prompts(8, target.config.vocab_size, seed=5)
     for i, p in enumerate(prompts[:4]):
@@ -127,15 +130,16 @@ def _run(models, kind: str, params: SamplingParams, tree: TreeParams = TreeParam
     steps = count_reads(engine, 30, [(str(i + 4), p, params) for i, p in enumerate(prompts[4:])])
     assert len(steps) >= 20
     assert (engine.target.graphs.num_tails > 0) == inside
+    assert (engine.num_steps_ahead > 0) == (run_ahead == "on")
     return steps
 
 
 def _only_the_readback(counts: collections.Counter) -> bool:
-    """The step's reads are its one readback: the graph's verify output (ModelRunner.forward_verify) or
-    VerifyOutput.to_host's."""
+    """The step's reads are its one readback: the graph's verify output (core/verify_step.py's Readback)
+    or VerifyOutput.to_host's."""
     reads = list(counts.elements())
     return len(reads) == 1 and reads[0][0] == "tolist" and (
-        "engine/core/verify.py" in reads[0][1] or "engine/model/runner.py" in reads[0][1])
+        "engine/core/verify.py" in reads[0][1] or "engine/core/verify_step.py" in reads[0][1])
 
 
 def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter, collections.Counter]:
@@ -153,6 +157,14 @@ def _split(counts: collections.Counter, where: str) -> tuple[collections.Counter
 @pytest.mark.parametrize("inside", [True, False], ids=["inside", "after"])
 def test_a_step_reads_the_device_back_once(models, kind, params, tree, inside):
     for counts in _run(models, kind, params, tree, inside):
+        assert _only_the_readback(counts), dict(counts)
+
+
+@pytest.mark.parametrize("params", [GREEDY, FILTERED], ids=["greedy", "filtered"])
+def test_a_step_run_ahead_reads_the_device_back_once(models, params):
+    """A step launched before the previous one is read back (engine.run_ahead) takes each row's input on
+    the device: it reads back its own output once, and nothing else."""
+    for counts in _run(models, "none", params, run_ahead="on"):
         assert _only_the_readback(counts), dict(counts)
 
 

@@ -268,6 +268,33 @@ class Tail:
         return output[:, :vocab], self.counts.prompt[slot][:, :vocab]
 
 
+class Readback:
+    """A tail's output on its way to the host: the copy is started, not waited for (on CUDA into pinned
+    memory, with an event), so the host may launch the next step before it reads this one. `first_tokens`
+    keeps each row's first output token on the device ([rows]: all that a step without drafts emits,
+    and so the next step's input), taken before a later step overwrites the tail's output."""
+
+    def __init__(self, out: torch.Tensor, rows: int, q: int, num_draft: list[int], tree: bool):
+        self.rows, self.q, self.num_draft, self.tree = rows, q, num_draft, tree
+        self.first_tokens = out[rows:rows + rows * q:q].clone()
+        if out.device.type == "cuda":
+            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = out.clone(), None
+        self._result: HostVerifyOutput | None = None
+
+    def result(self) -> HostVerifyOutput:
+        """The real rows of the output (waits for the copy: the step's one readback)."""
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._result = unpack(self._host.tolist(), self.rows, self.q, self.num_draft, self.tree)
+        return self._result
+
+
 def unpack(packed: list[int], rows: int, q: int, num_draft: list[int], tree: bool = False) -> HostVerifyOutput:
     """The real rows of a tail's output (its host copy) as the rule's HostVerifyOutput."""
     g, n = q - 1, len(num_draft)

@@ -30,7 +30,7 @@ from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
 from ..core.tree import is_chain
 from ..core.verify import HostVerifyOutput
-from ..core.verify_step import SlotCounts, Tail, VerifyStep, tail_spec, unpack
+from ..core.verify_step import Readback, SlotCounts, Tail, VerifyStep, tail_spec
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
@@ -275,6 +275,15 @@ class ModelRunner:
         the forward, the logits' processing and the rule in one graph (core/verify_step.py), its
         result read back once. None, having run nothing, where the step does not take that path (no
         graphs, tails off, a step past the buckets): then `forward` and the eager rule."""
+        launched = self.launch_verify(slots, starts, tokens, step)
+        return None if launched is None else launched.result()
+
+    @torch.inference_mode()
+    def launch_verify(self, slots: list[int], starts: list[int], tokens: list[list[int]], step: VerifyStep,
+                      carry: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> Readback | None:
+        """forward_verify without waiting: the step is launched and its readback started; the Readback's
+        result() waits for it. carry (tokens, pairs): rows whose last input the host has not read back,
+        row b's taken from index i of that device tensor for each (b, i) (StepGraphs.forward_tail)."""
         if self.graphs is None or not self.kernels.graph_verify:
             return None
         spec = tail_spec(step, self.vocab_size)
@@ -289,9 +298,10 @@ class ModelRunner:
         if tail is None:
             return None
         tail.load_q(step)
-        out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step), step.parents)
+        out = self.graphs.forward_tail(bucket, slots, starts, tokens, tail, tail.host_bytes(step), step.parents,
+                                       carry)
         self.num_forward_tokens += sum(num_new)
-        return unpack(out.tolist(), bucket.rows, bucket.q, step.num_draft, spec.tree)
+        return Readback(out, bucket.rows, bucket.q, step.num_draft, spec.tree)
 
     def _flex_tables(self, layout) -> tuple[torch.Tensor, ...]:
         """FlexAttention's block tables for a layout, from its row table on the device."""

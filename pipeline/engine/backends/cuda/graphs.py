@@ -243,13 +243,26 @@ class StepGraphs:
         return tail
 
     def forward_tail(self, bucket: Bucket, slots: list[int], starts: list[int], tokens: list[list[int]],
-                     tail, tail_bytes: torch.Tensor, parents: list[list[int] | None] | None = None) -> torch.Tensor:
+                     tail, tail_bytes: torch.Tensor, parents: list[list[int] | None] | None = None,
+                     carry: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> torch.Tensor:
         """The step's forward and then `tail` (from `tail()`) on its logits, as one graph: the forward's
         inputs and `tail_bytes` (uint8, the tail's inputs) arrive by one host-to-device copy. parents:
-        the rows' token trees, for a tree bucket. Returns the tail's output buffer on the device."""
+        the rows' token trees, for a tree bucket. carry (tokens, pairs): for each (b, i) in pairs, row
+        b's last token (a placeholder in tokens[b]) is tokens[i] of that device tensor, a token the host
+        has not read back (its index rides in the same copy). Returns the tail's output buffer on the
+        device."""
         state = self._state(bucket)
-        staged = self._stage(state, slots, starts, tokens, parents, tail_bytes)
-        tail.load(staged[8 * state.buffer.numel():])
+        extra = tail_bytes
+        if carry is not None:
+            pairs = carry[1]
+            index = [b * bucket.q + len(tokens[b]) - 1 for b, _ in pairs] + [i for _, i in pairs]
+            extra = torch.cat([tail_bytes, torch.tensor(index, dtype=torch.long).view(torch.uint8)])
+        staged = self._stage(state, slots, starts, tokens, parents, extra)
+        at = 8 * state.buffer.numel()
+        tail.load(staged[at:at + tail_bytes.numel()])
+        if carry is not None:
+            index = staged[at + tail_bytes.numel():].view(torch.long)
+            state.buffer.index_copy_(0, index[:len(carry[1])], carry[0].index_select(0, index[len(carry[1]):]))
         self.num_replays += 1
         self.num_tails += 1
         run = lambda: (self._run(state), tail.run(self._out[:bucket.tokens]))
@@ -289,7 +302,11 @@ class StepGraphs:
                  + [b * q for b in range(rows)])
         tree_part = write_pos + list(range(q)) * pad_rows + bits + [-1] * (pad_rows * q) if bucket.tree else []
         host = torch.tensor(ids + table + positions + row_ends + tree_part, dtype=torch.long)
-        staged = torch.cat([host.view(torch.uint8), extra.view(torch.uint8)]).to(self.device)
+        staged = torch.cat([host.view(torch.uint8), extra.view(torch.uint8)])
+        if self.device.type == "cuda":    # from pinned memory the copy waits for nothing the stream runs
+            staged = staged.pin_memory().to(self.device, non_blocking=True)
+        else:
+            staged = staged.to(self.device)
         state.buffer.copy_(staged[:8 * state.buffer.numel()].view(torch.long))
         return staged
 
