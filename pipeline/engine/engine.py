@@ -159,7 +159,7 @@ class SpecEngine:
         self.config = config
         self.drafting = drafting or DraftingConfig()
         self.target = target
-        self.drafter: Drafter = drafter or NoDrafter(target.device)
+        self.drafter: Drafter = drafter or NoDrafter("cpu")     # its empty drafts stay on the host
         draft_runner = self.drafter.draft_runner
         for name, runner in (("target", target), ("draft", draft_runner)):
             if runner is not None and runner.num_slots < config.max_num_seqs:
@@ -352,7 +352,7 @@ class SpecEngine:
                     lengths, num_prefilled = self.drafter.catch_up(batch, lengths, self.config.max_prefill_tokens)
                 catch_up_s = catch_up.s if num_prefilled else 0.0
             # No device sync here: a model drafter reads its proposal back at its end anyway (each draft
-            # step under a grammar), and the verify phase's time runs to the step's one readback (_verify).
+            # step under a grammar), and the verify phase's time runs to the step's one readback (_finish).
             generators = [s.rng.draft for s in batch]
             walk = None
             if any(s.guide is not None for s in batch):
@@ -365,7 +365,6 @@ class SpecEngine:
                 zeros = [0] * len(batch)
                 guided = GuidedDraft(drafts=proposal, num_forced_ahead=zeros, num_drafted=list(proposal.num_draft),
                                      num_forced_after=zeros)
-            guided.drafts = guided.drafts.to(self.target.device)
         return guided, walk, phase.s, catch_up_s
 
     def _size_trees(self, proposal: DraftBatch) -> DraftBatch:
@@ -443,6 +442,7 @@ class SpecEngine:
                     emitted = ahead_of.readback.result().output_ids
                     for b, i in carry[1]:
                         inputs[b][0] = emitted[i][0]
+                drafts = drafts.to(self.target.device)     # the graph takes them from the step's host data
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)
                 out = self._verify_rule(batch, drafts, logits, inputs, allowed, uniforms).to_host()
