@@ -3,7 +3,8 @@ floor, in parts ordered by what a spent budget should cost least:
 
 1. batch 1, ours against HF `generate` with its static cache, per model: the same prompts, greedy, the same
    new tokens (EOS ignored: min_new_tokens). transformers compiles the static-cache decode step on CUDA
-   (torch.compile, mode reduce-overhead: CUDA graphs); ours runs compile on, CUDA graphs on.
+   (torch.compile, mode reduce-overhead: CUDA graphs); ours runs compile on, CUDA graphs on, steps run
+   ahead (engine.run_ahead auto), and again with run_ahead off (each step read back before the next).
 2. plain decoding (drafter none, the same setting) with 64 and 256 sequences at once, per model.
 3. torch.profiler over a few decode steps of the last model (the Llama-3-8B shape) at batch 1 and 64:
    kernels and launch calls per step, the 10 kernels with the most device time, the device's idle time
@@ -179,14 +180,18 @@ def compute_floor(params: int, tokens_per_step: float, flops_per_s: float, steps
 
 
 # ---- one engine configuration ---------------------------------------------------------------------
-def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max_len: int, g: int) -> SpecEngine:
+def build_engine(model, drafter: str, compile: str, graphs: str, batch: int, max_len: int, g: int,
+                 run_ahead: str = "auto") -> SpecEngine:
     # the uncaptured dry run needs torch's attention: the graphs replay the model's own forward
     runner = build_runner(model, batch, max_len, compile=compile, cuda_graphs=graphs,
                          cpu_attention="off" if graphs == UNCAPTURED else "auto")
     tree = TreeParams(max_tokens=TREE_TOKENS, max_branches=4) if drafter == "ngram-tree" else TreeParams()
     ngram = NgramDrafter(2, 4, device=runner.device, tree=tree) if drafter.startswith("ngram") else None
+    if graphs == UNCAPTURED and run_ahead == "auto":    # the dry run takes the path a GPU's auto takes
+        run_ahead = "on"
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, max_prefill_tokens=4096, compile=compile,
-                       cuda_graphs="off" if graphs == UNCAPTURED else graphs)   # not a config value
+                       cuda_graphs="off" if graphs == UNCAPTURED else graphs,   # not a config value
+                       run_ahead=run_ahead)
     # adaptive: the cost curves, measured at the first step (a warm-up's); drafter none drafts nothing to size
     return SpecEngine(runner, ngram, cfg, eos_token_ids=[],
                       drafting=DraftingConfig(num_speculative_tokens=g, tree=tree, adaptive=drafter != "none"))
@@ -235,12 +240,12 @@ def _warm_up(engine: SpecEngine, prompts, batch: int, params: SamplingParams, fu
 
 
 def run_config(model, drafter: str, compile: str, graphs: str, batch: int, prompts, args, seconds: float,
-               weight_bytes: int, full_warmup: bool = False) -> dict:
+               weight_bytes: int, full_warmup: bool = False, run_ahead: str = "auto") -> dict:
     """One timed run of `prompts` (at most `batch` at once) after its warm-up: the whole workload with
     full_warmup, else 8 tokens of as many prompts as run at once (the compiles; the graphs of buckets
     first met in the timed run are captured inside it, and tokens/s is also given without those seconds)."""
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
-    engine = build_engine(model, drafter, compile, graphs, batch, max_len, args.g)
+    engine = build_engine(model, drafter, compile, graphs, batch, max_len, args.g, run_ahead)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -248,6 +253,7 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     _warm_up(engine, prompts, batch, params, full_warmup)
     warm_s = time.perf_counter() - t0
     before, compiled_before = graph_stats(engine.target.graphs), dynamo_graphs()
+    ahead_before = engine.num_steps_ahead
     t0 = time.perf_counter()
     c = drive(engine, prompts, params, "p", t0 + seconds)
     wall = time.perf_counter() - t0
@@ -256,6 +262,7 @@ def run_config(model, drafter: str, compile: str, graphs: str, batch: int, promp
     res = {"drafter": drafter, "compile": compile, "attention": "flex" if engine.target.flex else "sdpa",
            "compiled_layers": engine.target.compiled_layers, "layers_off_because": engine.target.layers_off_reason,
            "cuda_graphs": graphs, **stats, "timed_capture_s": timed_capture_s,
+           "run_ahead": engine.run_ahead, "steps_ahead": engine.num_steps_ahead - ahead_before,
            "graphs_captured_timed": stats["graphs_captured"] - before["graphs_captured"],
            "compiles_timed": dynamo_graphs() - compiled_before, "full_warmup": full_warmup,
            "tokens_per_s_without_capture": c["emitted"] / max(wall - timed_capture_s, 1e-9),
@@ -296,7 +303,8 @@ def describe(name: str, r: dict) -> str:
     timed = f", {r['compiles_timed']} compiles timed" if r.get("compiles_timed") else ""
     layers = (f", {r['compiled_layers']} layers compiled" if r["compiled_layers"] else "") + (
         f", layers not compiled: {r['layers_off_because']}" if r["layers_off_because"] else "")
-    return (f"{name}{graphs} compile={r['compile']}({r['attention']}{layers}) batch={r['batch']} "
+    ahead = f", {r['steps_ahead']} steps run ahead" if r.get("run_ahead") else ", run-ahead off"
+    return (f"{name}{graphs} compile={r['compile']}({r['attention']}{layers}{ahead}) batch={r['batch']} "
             f"drafter={r['drafter']}: "
             f"{r['tokens_per_s']:8.1f} tok/s, {r['steps_per_s']:6.1f} steps/s, {r['seqs_per_step']:.1f} seqs/step, "
             f"{r['tokens_per_round']:.2f} tok/round, acceptance {acc}, warm-up {r['warmup_s']:.1f} s{timed}{cut}\n"
@@ -478,11 +486,11 @@ def configurations(args, num_prompts: int) -> list[tuple[str, str, int, str]]:
             for batch in (num_prompts, 1) for drafter in args.drafters.split(",")]
 
 
-def _engine(args, part: str, drafter: str, compile: str, graphs: str, batch: int):
+def _engine(args, part: str, drafter: str, compile: str, graphs: str, batch: int, run_ahead: str = "auto"):
     def run(m: Loaded, seconds: float) -> dict:
         prompts = m.prompts[:args.b1_prompts] if batch == 1 else m.prompts[:batch]
         res = run_config(m.model, drafter, compile, graphs, batch, prompts, args, seconds, m.weight_bytes,
-                         full_warmup=True)
+                         full_warmup=True, run_ahead=run_ahead)
         return {"part": part, **res}
     return run
 
@@ -497,6 +505,8 @@ def tasks(args, names: list[str]) -> list[Task]:
         out.append(Task("1 batch 1 vs HF", n, "HF generate batch=1", hf_need, kind="hf",
                         run=lambda m, s: hf_generate(m.model, m.prompts[:args.b1_prompts], args.max_tokens, s)))
         out.append(Task("1 batch 1 vs HF", n, f"{plain} batch=1", 5, _engine(args, "b1", "none", compile, graphs, 1)))
+        out.append(Task("1 batch 1 vs HF", n, f"{plain} run_ahead=off batch=1", 5,
+                        _engine(args, "b1-waits", "none", compile, graphs, 1, run_ahead="off")))
     for n in names:
         out += [Task("2 at once", n, f"{plain} batch={b}", 5, _engine(args, "at-once", "none", compile, graphs, b))
                 for b in args.at_once]
@@ -559,20 +569,23 @@ def _ok(rows: list[dict]) -> list[dict]:
 
 def table_b1(report: dict, args) -> str:
     lines = [(f"batch 1, ours against HF generate (static cache), {args.b1_prompts} prompts x {args.max_tokens} "
-              f"new tokens:"), f"  {'model':20} {'ours tok/s':>10} {'HF tok/s':>9} {'ours/HF':>8} {'% floor':>8}  HF"]
+              f"new tokens (waits: ours with run_ahead off):"),
+             f"  {'model':20} {'ours tok/s':>10} {'waits':>7} {'HF tok/s':>9} {'ours/HF':>8} {'% floor':>8}  HF"]
     report["b1_vs_hf"] = []
     for e in report["models"]:
         ours = [r for r in _ok(e["configs"]) if r["part"] == "b1"]
+        waits = [r["tokens_per_s"] for r in _ok(e["configs"]) if r["part"] == "b1-waits"]
         hf = _ok(e["hf"])
         if not ours or not hf:
             continue
         o, h = ours[0], hf[0]
         ratio = o["tokens_per_s"] / max(h["tokens_per_s"], 1e-9)
         report["b1_vs_hf"].append({"model": e["model"], "ours_tokens_per_s": o["tokens_per_s"],
+                                   "ours_waiting_tokens_per_s": waits[0] if waits else None,
                                    "hf_tokens_per_s": h["tokens_per_s"], "ratio": ratio})
-        lines.append(f"  {e['model']:20} {o['tokens_per_s']:10.1f} {h['tokens_per_s']:9.1f} {ratio:8.2f} "
-                     f"{o['pct_of_floor']:7.1f}%  {'compiled' if h['compiled'] else 'eager'}, warm-up "
-                     f"{h['warmup_s']:.0f} s")
+        lines.append(f"  {e['model']:20} {o['tokens_per_s']:10.1f} {f'{waits[0]:.1f}' if waits else '-':>7} "
+                     f"{h['tokens_per_s']:9.1f} {ratio:8.2f} {o['pct_of_floor']:7.1f}%  "
+                     f"{'compiled' if h['compiled'] else 'eager'}, warm-up {h['warmup_s']:.0f} s")
     return "\n".join(lines)
 
 
@@ -624,8 +637,8 @@ def parse_args(argv=None):
                                                         "(parts 1-3: on if listed)")
     ap.add_argument("--cuda-graphs", default=None,
                     help="engine.cuda_graphs modes of part 4, comma-separated; parts 1-3 run the first (default: "
-                         "on,off on CUDA, off elsewhere; 'uncaptured': the graphs' padded forward without capture, "
-                         "a CPU dry run of that path)")
+                         "on,off on CUDA, uncaptured,off elsewhere; 'uncaptured': the graphs' padded forward "
+                         "without capture, so that a CPU dry run takes the path a GPU does)")
     ap.add_argument("--drafters", default="none,ngram,ngram-tree",
                     help="part 4: none | ngram (a single path) | ngram-tree (a token tree of 16 tokens)")
     ap.add_argument("--b1-prompts", type=int, default=4, help="prompts of the batch-1 runs (ours and HF)")
@@ -646,7 +659,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_bench.json when $OUT is set)")
     args = ap.parse_args(argv)
     if args.cuda_graphs is None:
-        args.cuda_graphs = "on,off" if args.device.startswith("cuda") else "off"
+        args.cuda_graphs = "on,off" if args.device.startswith("cuda") else f"{UNCAPTURED},off"
     if args.tiny:
         args.num_prompts, args.min_prompt, args.max_prompt, args.max_tokens = 6, 20, 40, 16
         args.b1_prompts, args.at_once, args.profile_batches, args.profile_steps = 2, [64, 256], [1, 64], 4

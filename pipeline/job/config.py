@@ -203,8 +203,8 @@ def redacted(cfg: JobConfig) -> dict:
 
 
 # engine keys that do not change the output: which kernels run (the same distribution, rounding-level
-# differences at most) and copied prompt KV (the same values as computed)
-ENGINE_NOT_HASHED = ("kernels", "compile", "cuda_graphs", "prefix_reuse")
+# differences at most), copied prompt KV (the same values as computed) and steps run ahead (the same tokens)
+ENGINE_NOT_HASHED = ("kernels", "compile", "cuda_graphs", "prefix_reuse", "run_ahead")
 
 
 def hashed_tree(cfg: JobConfig) -> dict:

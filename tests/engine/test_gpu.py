@@ -7,11 +7,13 @@ on a GPU machine by `bash bench/gpu_check.sh`.
   Face `generate` on the same CUDA device. A difference is allowed only where the target's top-2
   logits (CPU copy, fp64 head) are within NEAR_TIE (conftest), and at most MAX_TIES prompts.
 - Sampling (temperature 0.8): valid tokens, and the same seeds give the same tokens on a rerun.
+- Steps run ahead (engine.run_ahead): the tokens of steps that wait, seed for seed.
 - bf16: completes, and agrees with fp32 on the first tokens of most prompts (threshold below).
 - A real checkpoint, only when SPECPIPE_GPU_MODEL_DIR names a safetensors directory (skipped else).
 
 The tiny models are random-init (only the weights are fake); they need no files.
 """
+import collections
 import copy
 import os
 
@@ -70,6 +72,8 @@ def assert_on_cuda(engine, compile: str, graphs: bool) -> None:
             if runner is engine.target:     # its verify steps: forward and verification in one graph
                 assert g.tails_enabled, f"verification inside the graph switched off: {g.tails_disabled_reason}"
                 assert g.num_tails > 0
+                # steps without drafts run ahead (engine.run_ahead auto)
+                assert engine.run_ahead and (engine.num_steps_ahead > 0) == (engine.drafter.kind == "none")
         else:
             assert runner.graphs is None
 
@@ -147,6 +151,36 @@ def test_verification_inside_the_captured_graph_on_cuda(kind, cuda_target, cuda_
         g = engine.target.graphs
         assert g.enabled and g.tails_disabled_reason is None and (g.num_tails > 0) == inside
     assert outputs[0] == outputs[1]
+
+
+def test_steps_run_ahead_on_cuda_emit_what_waiting_steps_do(cuda_target):
+    """Each step launched before the one before it is read back (its input left on the device, its readback
+    copied asynchronously): the same tokens seed for seed as steps that wait, greedy and sampled rows in one
+    batch, rows ending by EOS a step before the host knows, prompts arriving while others decode."""
+    vocab = cuda_target.config.vocab_size
+    prompts = mixed_prompts(12, vocab, seed=4)
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9)]
+
+    def run(run_ahead: str, eos=()):
+        engine = make_engine(cuda_target, "none", None, max_num_seqs=4, max_model_len=128, cuda_graphs="on",
+                             run_ahead=run_ahead, eos=eos)
+        done = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params[i % 2], seed=i)
+            if i >= 4:
+                done.update({c.request_id: (c.output_ids, c.finish_reason) for c in engine.step().finished})
+        while engine.has_unfinished():
+            done.update({c.request_id: (c.output_ids, c.finish_reason) for c in engine.step().finished})
+        assert (engine.num_steps_ahead > 0) == (run_ahead == "on")
+        assert engine.target.graphs.enabled and engine.target.graphs.tails_enabled
+        return done
+
+    # EOS: the two tokens the rows emit most past their first three, so that rows end at unforeseen steps
+    counts = collections.Counter(t for out, _ in run("off").values() for t in out[3:])
+    eos = tuple(t for t, _ in counts.most_common(2))
+    ahead = run("on", eos)
+    assert ahead == run("off", eos)
+    assert sum(reason == "eos" for _, reason in ahead.values()) >= 2
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])
