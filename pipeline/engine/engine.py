@@ -14,8 +14,12 @@ Glossary (used throughout the engine):
   tree      a draft of several candidate continuations (core/tree.py), verified in one forward
             (core/verify_tree.py); the accepted path's KV is moved next to the committed tokens
 
-The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. Rows
-with a response_format also walk their grammar through the round's proposal (grammar/walk.py):
+The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. Where steps
+run ahead (engine.run_ahead: captured graphs, on a GPU), a round without drafts launches the next one
+before the host reads it back, the next inputs left on the device; a row that ended meanwhile drops
+the step launched for it.
+
+Rows with a response_format also walk their grammar through the round's proposal (grammar/walk.py):
 each position's mask is computed once, used by the drafter and the verifier, and the walk is
 settled back to the committed tokens at commit (undoing only the rejected ones).
 
