@@ -253,16 +253,15 @@ class StepGraphs:
         device."""
         state = self._state(bucket)
         extra = tail_bytes
-        if carry is not None:
-            pairs = carry[1]
-            index = [b * bucket.q + len(tokens[b]) - 1 for b, _ in pairs] + [i for _, i in pairs]
-            extra = torch.cat([tail_bytes, torch.tensor(index, dtype=torch.long).view(torch.uint8)])
+        if carry is not None:                        # rows b, then the carried tokens' indices i
+            pairs = torch.tensor(carry[1], dtype=torch.long).reshape(-1, 2).T.reshape(-1)
+            extra = torch.cat([tail_bytes, pairs.view(torch.uint8)])
         staged = self._stage(state, slots, starts, tokens, parents, extra)
         at = 8 * state.buffer.numel()
         tail.load(staged[at:at + tail_bytes.numel()])
-        if carry is not None:
-            index = staged[at + tail_bytes.numel():].view(torch.long)
-            state.buffer.index_copy_(0, index[:len(carry[1])], carry[0].index_select(0, index[len(carry[1]):]))
+        if carry is not None:                        # the ids lead the buffer: row b's last at row_ends[b]
+            rows, index = staged[at + tail_bytes.numel():].view(torch.long).view(2, -1)
+            state.buffer.index_copy_(0, state.layout.row_ends.index_select(0, rows), carry[0].index_select(0, index))
         self.num_replays += 1
         self.num_tails += 1
         run = lambda: (self._run(state), tail.run(self._out[:bucket.tokens]))
