@@ -183,6 +183,7 @@ class SpecEngine:
                              f"{target.vocab_size}")
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.costs = CostModel()
+        self.costs_cached: bool | None = None     # the cost curves were read from the kernel cache (calibrate)
         self.policy = AdaptiveDraftLength(self.drafting.num_speculative_tokens, self.costs,
                                           draft_is_free=self.drafter.is_free)
         self._ids: set[str] = set()
@@ -295,15 +296,25 @@ class SpecEngine:
         self.num_steps += 1
         return StepOutput(finished=finished, rounds=rounds)
 
-    def calibrate(self, repeats: int = 3) -> None:
+    def calibrate(self, repeats: int = 3, fresh: bool = False) -> None:
         """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
-        draft model, if any. Must run while no sequence holds a slot: it writes scratch KV."""
+        draft model, if any. Must run while no sequence holds a slot: it writes scratch KV. On CPU the
+        curves are kept in the kernel cache (ModelRunner.measured): a later start of the same models,
+        kernels, slots and draft length on this machine reads them (the run's steps rescale them online
+        as ever); fresh: measure them again."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
-        cfg = self.config
-        drafting = self.drafting       # a token tree verifies up to tree.max_tokens per row
-        self.costs.calibrate(self.target, self.drafter.draft_runner, cfg.max_num_seqs,
-                             max(drafting.num_speculative_tokens, drafting.tree.max_tokens), cfg.max_model_len, repeats)
+        cfg, draft = self.config, self.drafter.draft_runner
+        max_draft = max(self.drafting.num_speculative_tokens, self.drafting.tree.max_tokens)   # a tree's tokens
+
+        def measure() -> dict:
+            costs = CostModel()
+            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, cfg.max_model_len, repeats)
+            return costs.curves()
+        fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
+                  "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats}
+        curves, self.costs_cached = (measure(), False) if fresh else self.target.measured("cost-curves", fields, measure)
+        self.costs.use(curves)
 
     @property
     def _lazy_draft(self) -> bool:

@@ -3,8 +3,11 @@ from recorded tokens/s curves, and the runner keeping the slots up to it (its st
 over the new store, greedy output still Hugging Face's), with the memory bound above it."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import greedy_reference, mixed_prompts, run_requests, tiny_llama
 from pipeline.engine import EngineConfig, SamplingParams, SpecEngine
+from pipeline.engine.backends.cpu import calibrate as cal
 from pipeline.engine.backends.flex import capacity
 from pipeline.engine.model import slots
 from pipeline.engine.model.runner import ModelRunner
@@ -13,6 +16,13 @@ from pipeline.engine.model.runner import ModelRunner
 # Xeon with AMX, the measured linear plan: tokens/s by rows
 AMX_BF16 = [(1, 39.9), (2, 70.0), (4, 128.2), (8, 190.0), (16, 260.9), (32, 380.0), (64, 509.0), (128, 540.0),
             (256, 545.0)]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own measurements folder: the rates it fakes are neither read from nor left in the
+    machine's kernel cache."""
+    monkeypatch.setattr(cal, "plans_folder", lambda: tmp_path)
 
 
 def test_knee_from_recorded_rates():
@@ -25,6 +35,13 @@ def test_knee_from_recorded_rates():
     assert slots.knee(noisy) == 128
     assert slots.knee([(1, 10.0), (2, 19.0), (4, 37.0)]) == 4          # still rising: the last
     assert slots.knee([(1, 10.0), (2, 10.5)]) == 1
+
+
+def test_probe_limit():
+    """Past 64 slots the measured rows end at a multiple of 32, so that starts with a little more or less
+    memory free measure the same rows (and read each other's cached rates)."""
+    assert [slots.probe_limit(n) for n in (1, 3, 64, 65, 100, 213, 218, 224, 256)] == \
+        [1, 3, 64, 64, 96, 192, 192, 224, 256]
 
 
 def test_probe_rows():
@@ -68,3 +85,22 @@ def test_memory_bounds_the_measurement(monkeypatch):
     monkeypatch.setattr(slots, "free_memory", lambda device: 4 * 3 * slots.slot_bytes(model, 256) + 1)
     runner = ModelRunner(model, EngineConfig(max_num_seqs="auto", max_model_len=256))
     assert timed == [1, 2, 3] and runner.num_slots == 3
+
+
+def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
+    """A second runner of the same model reads the measured rates from the kernel cache (nothing timed,
+    the same slots, "cached" in its reason); another context, or another model, is measured."""
+    timed = []
+    monkeypatch.setattr(ModelRunner, "_decode_rate", lambda self, rows, c, r: timed.append(rows) or 10.0 * min(rows, 4))
+    monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
+    first = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 256] and first.num_slots == 4
+    assert "measured tokens/s" in first.slots_reason
+    timed.clear()
+    again = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert timed == [] and again.num_slots == 4 and "cached tokens/s" in again.slots_reason
+    ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=512))
+    assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    timed.clear()
+    ModelRunner(tiny_llama(layers=3), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert len(timed) == 9

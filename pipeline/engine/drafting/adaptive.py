@@ -189,6 +189,17 @@ class CostModel:
         self.draft_curve = CostModel.monotone(list(zip(rows, times)))
         self.draft_prefill_s = times[-1] / chunk
 
+    def curves(self) -> dict:
+        """The measured curves, as JSON (the kernel cache keeps them: Engine.calibrate)."""
+        return {"verify": self.verify_curve, "draft": self.draft_curve, "draft_prefill_s": self.draft_prefill_s}
+
+    def use(self, curves: dict) -> None:
+        """Take curves measured on this machine before (curves()), as if calibrate had just measured them."""
+        self.verify_curve = [(int(t), float(s)) for t, s in curves["verify"]]
+        self.draft_curve = [(int(r), float(s)) for r, s in curves["draft"]]
+        self.draft_prefill_s = float(curves["draft_prefill_s"])
+        self.measured, self.fits = True, {}
+
 
 def time_forwards(runner: ModelRunner, forwards: list[tuple[int, int, str]], context: int, repeats: int,
                   clock: Callable[[], float] = time.perf_counter) -> list[float]:

@@ -10,16 +10,18 @@ This module knows nothing about requests, drafting or sampling.
 from __future__ import annotations
 
 import inspect
+import re
 import time
 import warnings
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
 from ..backends.cpu.attention import RowAttention, amx_kernel as amx_attention
 from ..backends.cpu.attention import amx_unavailable as amx_attention_unavailable
-from ..backends.cpu.calibrate import (Calibration, MlpPlan, calibrate, calibrate_attention, calibrate_mlp,
-                                      measuring_alone)
+from ..backends.cpu.calibrate import (Calibration, MlpPlan, cached_measurement, calibrate, calibrate_attention,
+                                      calibrate_mlp, measuring_alone)
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
 from ..backends.cpu.fused import fuse, silu_mlps
 from ..backends.cpu.linear import (AMX, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, amx_kernel,
@@ -36,7 +38,7 @@ from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends
-from .slots import (KNEE_SHARE, MEMORY_SHARE, free_memory, knee, measuring_context, probe_rows,
+from .slots import (KNEE_SHARE, MEMORY_SHARE, free_memory, knee, measuring_context, probe_limit, probe_rows,
                     resolve_max_num_seqs)
 
 
@@ -112,12 +114,16 @@ class ModelRunner:
     def _fit_slots(self, repeats: int = 2) -> None:
         """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
         this runner (slots.py): steps of 1, 2, 4, ... rows of one token at measuring_context, up to the slots
-        it has; then the store of max_model_len positions for those slots."""
+        it has; then the store of max_model_len positions for those slots. The rates are kept in the
+        kernel cache (measured): the next start of this model and plan on this machine reads them."""
         context = measuring_context(self.max_model_len)
-        rates: list[tuple[int, float]] = []
-        with measuring_alone("slot-steps"):           # workers starting together: one at a time
-            for rows in probe_rows(self.num_slots):
-                rates.append((rows, self._decode_rate(rows, context, repeats)))
+        rows = probe_rows(probe_limit(self.num_slots))
+
+        def measure() -> list[list[float]]:
+            with measuring_alone("slot-steps"):           # workers starting together: one at a time
+                return [[r, self._decode_rate(r, context, repeats)] for r in rows]
+        measured, cached = self.measured("slot-rates", {"context": context, "rows": rows, "repeats": repeats}, measure)
+        rates = [(int(r), float(t)) for r, t in measured]
         n = knee(rates)
         self.num_forward_tokens = 0
         self.cache = self._store(n)
@@ -125,9 +131,27 @@ class ModelRunner:
             self.decoder.cache = self.cache
         self.num_slots = n
         shown = ", ".join(f"{r}: {t:.0f}" for r, t in rates)
-        why = (f"measured tokens/s of plain steps by rows at context {context} ({shown}): {n}, the fewest "
-               f"within {1 - KNEE_SHARE:.0%} of the best")
+        why = (f"{'cached' if cached else 'measured'} tokens/s of plain steps by rows at context {context} "
+               f"({shown}): {n}, the fewest within {1 - KNEE_SHARE:.0%} of the best")
         self.slots_reason = why if self.slots_reason is None else f"{self.slots_reason}; {why}"
+
+    def identity(self) -> dict:
+        """What the time of this runner's forwards depends on besides the machine: the model's shape, the
+        dtype, the device and the kernels that run it (their measured plans, not how long measuring took)."""
+        cfg = text_config(self.model.config)
+        shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                    "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim", "vocab_size")}
+        plan = {k: re.sub(r"measured in [0-9.]+ s|cached", "", v) for k, v in self.plan.__dict__.items()}
+        return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan}
+
+    def measured(self, name: str, fields: dict, measure: Callable[[], object]) -> tuple[object, bool]:
+        """(`measure()`'s result, whether it was read from the kernel cache): on CPU kept there under this
+        runner's identity and `fields`, so the next start of the same model and kernels on this machine
+        reads it in milliseconds; elsewhere measured each time (a GPU's forwards take milliseconds)."""
+        if self.device.type != "cpu":
+            return measure(), False
+        return cached_measurement(name, {"runner": self.identity(), **fields}, measure)
 
     def _decode_rate(self, rows: int, context: int, repeats: int) -> float:
         """Tokens/s of a plain decoding step of `rows` rows at `context` (median of `repeats` after a warm-up)."""

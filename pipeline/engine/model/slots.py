@@ -80,6 +80,12 @@ def measuring_context(max_model_len: int) -> int:
     return min(max_model_len // 2, 384)
 
 
+def probe_limit(fits: int, step: int = 32) -> int:
+    """The most rows to measure where `fits` slots fit in memory: past 2 * step, rounded down to a multiple of
+    `step`, so that a start with a little more or less memory free measures (and caches) the same rows."""
+    return fits if fits <= 2 * step else fits - fits % step
+
+
 def probe_rows(limit: int) -> list[int]:
     """1, 2, 4, ... up to `limit`, and `limit` itself."""
     rows = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]

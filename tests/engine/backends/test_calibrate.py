@@ -138,30 +138,34 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 
 def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
-    """Real measuring loop, kernels that cost known times: 'panel' 0.15 ms per row, 'onednn' 1 ms flat.
-    The panel kernel is timed until it is > 2.5x behind and losing ground (16 rows: 2.4 ms vs 1 ms,
-    32 rows: 4.8 ms), not past that; oneDNN at every bucket."""
+    """Real measuring loop, kernels that cost known times: 'panel' 0.15 ms per row, 'onednn' 1 ms flat,
+    'torch' 1.2 ms flat. The panel kernel is timed until it is > 1.5x behind and losing ground (8 rows:
+    1.2 ms vs 1 ms, 16 rows: 2.4 ms), not past that; the two left at every bucket. With the panel kernel
+    and oneDNN only, oneDNN is left alone at 16 rows and takes every larger bucket untimed."""
     import time
+    costs = {"panel": lambda rows: 0.15e-3 * rows, "onednn": lambda rows: 1e-3, "torch": lambda rows: 1.2e-3}
 
     def fake(kind, weight, kernel, amx=None):
-        cost = (lambda rows: 0.15e-3 * rows) if kind == "panel" else (lambda rows: 1e-3)
-
         def run(x):
-            end = time.perf_counter() + cost(x.shape[0])
+            end = time.perf_counter() + costs[kind](x.shape[0])
             while time.perf_counter() < end:
                 pass
         return run
     monkeypatch.setattr(cal, "_runner", fake)
-    times = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=1)["qkv"]
-    assert sorted(times["onednn"]) == list(cal.BUCKETS)
-    assert max(times["panel"]) in (16, 32)
+    times = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn", "torch"), None, repeats=1)["qkv"]
+    assert sorted(times["onednn"]) == sorted(times["torch"]) == list(cal.BUCKETS)
+    assert max(times["panel"]) == 16
     assert cal.choose_plan(times).describe() in ("panel<=4 onednn", "panel<=8 onednn")
+    alone = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=1)["qkv"]
+    assert max(alone["panel"]) == max(alone["onednn"]) == 16
+    plan = cal.choose_plan(alone)
+    assert plan.describe() in ("panel<=4 onednn", "panel<=8 onednn") and plan.kind(2048) == "onednn"
 
 
 def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
     """Past LARGE_ROWS a bucket's pass runs over the family's first LARGE_BYTES of weights (here 4 of 12
     weights of 2 MB) and its time is scaled to all of them: each call costs 1 ms whatever the rows, so
-    every bucket reads ~12 ms."""
+    every bucket reads ~12 ms. The LM head is not timed at the prefill step's rows."""
     import time
     calls = collections.Counter()
 
@@ -175,9 +179,13 @@ def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
     monkeypatch.setattr(cal, "_runner", fake)
     monkeypatch.setattr(cal, "LARGE_BYTES", 8 << 20)
     weights = [torch.zeros(512, 1024) for _ in range(12)]                       # fp32: 2 MB each
-    times = cal.measure({"down": weights}, ("onednn",), None, buckets=(1, 256, 2048), repeats=1)["down"]
-    assert calls[2048] == 2 * 4 and calls[256] == 2 * 12                       # a warm-up pass, a timed one
+    timed = cal.measure({"down": weights, "lm_head": weights[:1]}, ("onednn",), None, buckets=(1, 256), repeats=1,
+                        prefill_rows=2048)
+    times = timed["down"]
+    assert calls[2048] == 2 * 4 and calls[256] == 2 * 12 + 2                   # a warm-up pass, a timed one
     assert all(11 < t < 20 for t in times["onednn"].values())
+    assert sorted(times["onednn"]) == [1, 256, 2048]
+    assert sorted(timed["lm_head"]["onednn"]) == [1, 256]           # a prefill step computes no logits
 
 
 def test_the_runner_applies_the_measured_plan(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 
 from conftest import dynamic_cache_keys, greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
+from pipeline.engine.backends.cpu import calibrate as cal
 from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel, StepFit, expected_tokens
 from pipeline.engine.drafting.draft_model import draft_lag
 from pipeline.engine.core.request import Sequence
@@ -323,6 +324,34 @@ def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model
         assert engine.policy.evidence_tokens <= drafted <= engine.policy.evidence_tokens + 2 * 4
     for i, prompt in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 24)
+
+
+def test_the_cost_curves_are_measured_once_per_machine_models_and_slots(target_model, draft_model, tmp_path,
+                                                                        monkeypatch):
+    """On CPU the curves are kept in the kernel cache: a second engine of the same models and slots reads
+    them (nothing timed, the same curves); fresh=True measures again, and so do other slots, another
+    longest draft, or another drafter's models."""
+    monkeypatch.setattr(cal, "plans_folder", lambda: tmp_path)
+    measured = []
+    real = CostModel.calibrate
+    monkeypatch.setattr(CostModel, "calibrate", lambda self, *a, **k: measured.append(a[2]) or real(self, *a, **k))
+
+    def engine(kind="draft-greedy", slots=4, g=3):
+        made = make_engine(target_model, kind, draft_model, max_num_seqs=slots, max_model_len=128, g=g, adaptive=True)
+        made.calibrate()
+        return made
+    first = engine()
+    assert measured == [4] and first.costs_cached is False and first.costs.measured
+    second = engine()
+    assert measured == [4] and second.costs_cached and second.costs.measured
+    for name in ("verify_curve", "draft_curve", "draft_prefill_s"):
+        assert getattr(second.costs, name) == getattr(first.costs, name)
+    second.calibrate(fresh=True)
+    assert measured == [4, 4] and second.costs_cached is False
+    engine(slots=3), engine(g=2), engine(kind="ngram")
+    assert measured == [4, 4, 3, 4, 4]
+    engine(kind="ngram")
+    assert len(measured) == 5
 
 
 def test_calibration_measures_non_decreasing_curves_and_the_drafts_prefill(target_model, draft_model):

@@ -12,13 +12,16 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
   * the family's real weights, all its layers up to FAMILY_BYTES (so a pass streams from memory as a
     forward does, not from a cache), in each candidate kernel's layout;
   * x of M rows, M in BUCKETS (1 = batch-1 decoding; 5 = verifying 4 draft tokens; 64 x 1 = a step of
-    64 sequences) and the engine's prefill step (engine.max_prefill_tokens) past them; rows past the
-    last bucket take its kernel. Buckets past LARGE_ROWS are bound by the arithmetic, not by streaming
-    the weights, and are timed on fewer of them (LARGE_BYTES);
+    64 sequences) and the engine's prefill step (engine.max_prefill_tokens) past them, for every family
+    but the LM head (a prefill step computes no logits); rows past the last bucket take its kernel.
+    Buckets past LARGE_ROWS are bound by the arithmetic, not by streaming the weights, and are timed on
+    fewer of them (LARGE_BYTES);
   * per bucket one warm-up pass and REPEATS timed passes of each live candidate in turn (interleaved,
     so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
     best and losing ground as rows grow, from DROP_FROM rows on, is not timed at larger buckets (a
-    blocked kernel far behind at a few rows, oneDNN's, may still win at many).
+    blocked kernel far behind at a few rows, oneDNN's, gains ground as rows grow and may still win at
+    many; one losing ground past 1.5x does not come back: the large buckets cost most to time); once
+    one candidate is left, the larger buckets are not timed (it takes them).
 `choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
 fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
 bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
@@ -57,13 +60,14 @@ from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
-VERSION = 5                              # of the measurement: a change here re-measures every cached plan
+VERSION = 6                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
-DROP_RATIO, DROP_FROM = 2.5, 16
+DROP_RATIO, DROP_FROM = 1.5, 16
 FAMILY_BYTES = 128 << 20
 LARGE_ROWS, LARGE_BYTES = 256, 8 << 20
+HEAD = "lm_head"                         # the family a prefill step never runs (it computes no logits)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8", "amx_fp16", "asimd", "sve", "bf16")
 
@@ -234,20 +238,22 @@ def _sample(weights: list[torch.Tensor], limit: int = FAMILY_BYTES) -> list[torc
 
 def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
             buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS,
-            amx: PanelKernel | None = None) -> dict[str, Timings]:
+            amx: PanelKernel | None = None, prefill_rows: int | None = None) -> dict[str, Timings]:
     """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
-    them, scaled by count: past LARGE_ROWS rows a smaller one)."""
+    them, scaled by count: past LARGE_ROWS rows a smaller one). prefill_rows: one more bucket, for every
+    family but the LM head."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, Timings] = {}
     for fam, ws in weights.items():
+        timed = tuple(buckets) + ((prefill_rows,) if prefill_rows is not None and fam != HEAD else ())
         sample = _sample(ws)
         large = len(_sample(ws, LARGE_BYTES))              # its first weights
         dtype, k = sample[0].dtype, sample[0].shape[1]
-        x = (torch.randn(max(buckets), k, generator=gen) * 0.5).to(dtype)
+        x = (torch.randn(max(timed), k, generator=gen) * 0.5).to(dtype)
         fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
         times: Timings = {kind: {} for kind in kinds}
         live, last_ratio = list(kinds), {}
-        for b in buckets:
+        for b in timed:
             rows, count = x[:b], len(sample) if b <= LARGE_ROWS else large
             laps = interleaved([lambda fs=fns[kind][:count]: [fn(rows) for fn in fs] for kind in live], repeats)
             for kind, seconds in zip(live, laps):
@@ -258,6 +264,8 @@ def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kern
                 if b >= DROP_FROM and ratio > DROP_RATIO and ratio > last_ratio.get(kind, math.inf) and len(live) > 1:
                     live.remove(kind)
                 last_ratio[kind] = ratio
+            if len(live) == 1 < len(kinds):
+                break              # the others dropped: the one left takes every larger bucket
         out[fam] = times
         del fns
     return out
@@ -343,6 +351,24 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
         return result
 
 
+def cached_measurement(name: str, fields: dict, measure: Callable[[], object],
+                       folder: Path | None = None) -> tuple[object, bool]:
+    """(`measure()`'s JSON-able result, whether it was read from the cache): kept in `folder` (default:
+    the kernel cache's plans/) under `fields` and this machine (machine()), so a later start on the
+    same machine with the same fields reads it instead of measuring again."""
+    key = _digest({"machine": machine(), **fields})
+
+    def load(data: dict) -> tuple[object, bool]:
+        if data.get("version") != VERSION or data.get("key") != key:
+            raise ValueError(f"{name}: another measurement's file")
+        return data["value"], True
+
+    def measured() -> tuple[tuple[object, bool], dict]:
+        value = measure()
+        return (value, False), {"version": VERSION, "key": key, "fields": fields, "value": value}
+    return _cached(folder or plans_folder(), name, key, load, measured)
+
+
 def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmups: int) -> dict[str, float]:
     """Median ms of each named call, the calls taken in turn (core/timing.py), after warm-ups."""
     return {name: t * 1e3 for name, t in zip(calls, interleaved(list(calls.values()), repeats, warmups))}
@@ -392,12 +418,13 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
     dtype = next(iter(weights.values()))[0].dtype
     host = machine()
     builds = "+".join(k.build for k in (kernel, amx) if k is not None) or None
-    buckets = BUCKETS + ((prefill_rows,) if prefill_rows is not None and prefill_rows > BUCKETS[-1] else ())
+    prefill = prefill_rows if prefill_rows is not None and prefill_rows > BUCKETS[-1] else None
+    buckets = BUCKETS + ((prefill,) if prefill is not None else ())
     key = cache_key(host, dtype, counts, kinds, builds, buckets)
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
-        timings = measure(weights, kinds, kernel, buckets, amx=amx) if len(kinds) > 1 else {
+        timings = measure(weights, kinds, kernel, amx=amx, prefill_rows=prefill) if len(kinds) > 1 else {
             f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
         seconds = time.perf_counter() - t0
         plans = {f: choose_plan(t) for f, t in timings.items()}
