@@ -137,29 +137,52 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
         assert json.loads(files[0].read_text())["version"] == cal.VERSION
 
 
-def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
-    """Real measuring loop, kernels that cost known times: 'panel' 0.15 ms per row, 'onednn' 1 ms flat,
-    'torch' 1.2 ms flat. The panel kernel is timed until it is > 1.5x behind and losing ground (8 rows:
-    1.2 ms vs 1 ms, 16 rows: 2.4 ms), not past that; the two left at every bucket. With the panel kernel
-    and oneDNN only, oneDNN is left alone at 16 rows and takes every larger bucket untimed."""
+def _timed(monkeypatch, costs: dict, kinds: tuple[str, ...]):
+    """The real measuring loop over kernels that cost known ms by rows."""
     import time
-    costs = {"panel": lambda rows: 0.15e-3 * rows, "onednn": lambda rows: 1e-3, "torch": lambda rows: 1.2e-3}
 
     def fake(kind, weight, kernel, amx=None):
         def run(x):
-            end = time.perf_counter() + costs[kind](x.shape[0])
+            end = time.perf_counter() + costs[kind](x.shape[0]) * 1e-3
             while time.perf_counter() < end:
                 pass
         return run
     monkeypatch.setattr(cal, "_runner", fake)
-    times = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn", "torch"), None, repeats=1)["qkv"]
+    return cal.measure({"qkv": [torch.zeros(8, 8)]}, kinds, None, repeats=1)["qkv"]
+
+
+def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
+    """'panel' 0.15 ms per row, 'onednn' 1 ms flat, 'torch' 1.2 ms flat: the panel kernel is timed until it
+    is > 2.5x behind and losing ground (16 rows: 2.4 ms, 32 rows: 4.8 ms), not past that, while the
+    fastest's time stays flat; the two left at every bucket."""
+    costs = {"panel": lambda r: 0.15 * r, "onednn": lambda r: 1.0, "torch": lambda r: 1.2}
+    times = _timed(monkeypatch, costs, ("panel", "onednn", "torch"))
     assert sorted(times["onednn"]) == sorted(times["torch"]) == list(cal.BUCKETS)
-    assert max(times["panel"]) == 16
+    assert max(times["panel"]) == 32
     assert cal.choose_plan(times).describe() in ("panel<=4 onednn", "panel<=8 onednn")
-    alone = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=1)["qkv"]
-    assert max(alone["panel"]) == max(alone["onednn"]) == 16
-    plan = cal.choose_plan(alone)
+
+
+def test_where_the_fastest_grows_with_the_rows_one_falling_behind_it_is_dropped_sooner(monkeypatch):
+    """'onednn' max(1, 0.1 r) ms grows with the rows from 16 on (1.6 ms, from 1 at 8 rows), where the panel
+    kernel (0.2 ms per row) is 2x behind and losing ground: dropped there; oneDNN, left alone, takes
+    every larger bucket untimed."""
+    costs = {"panel": lambda r: 0.2 * r, "onednn": lambda r: max(1.0, 0.1 * r)}
+    times = _timed(monkeypatch, costs, ("panel", "onednn"))
+    assert max(times["panel"]) == max(times["onednn"]) == 16
+    plan = cal.choose_plan(times)
     assert plan.describe() in ("panel<=4 onednn", "panel<=8 onednn") and plan.kind(2048) == "onednn"
+
+
+def test_a_kernel_behind_one_still_bound_by_its_weights_is_kept(monkeypatch):
+    """The AMX box in bf16: our AMX kernel flat at 3.5 ms to 29 rows, then 0.12 ms per row; oneDNN 1.6x
+    behind it and losing ground to 16 rows (5.5 ms + 0.02 per row), then 0.06 ms per row from 137. oneDNN
+    is timed at every bucket and takes the many rows; the panel kernel (0.3 ms per row) drops out."""
+    costs = {"panel": lambda r: 1.0 + 0.3 * r, "amx": lambda r: max(3.5, 0.12 * r), "onednn": lambda r: max(5.5 + 0.02 * r, 0.06 * r)}
+    times = _timed(monkeypatch, costs, ("panel", "amx", "onednn"))
+    assert sorted(times["onednn"]) == sorted(times["amx"]) == list(cal.BUCKETS)
+    assert max(times["panel"]) <= 32
+    plan = cal.choose_plan(times)
+    assert plan.kind(16) == "amx" and plan.kind(128) == plan.kind(256) == "onednn"
 
 
 def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):

@@ -20,8 +20,11 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
     so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
     best and losing ground as rows grow, from DROP_FROM rows on, is not timed at larger buckets (a
     blocked kernel far behind at a few rows, oneDNN's, gains ground as rows grow and may still win at
-    many; one losing ground past 1.5x does not come back: the large buckets cost most to time); once
-    one candidate is left, the larger buckets are not timed (it takes them).
+    many), nor is one more than DROP_BEHIND slower and losing ground where the fastest's time has
+    begun to grow with the rows (by GROWTH of their ratio or more: no longer bound by streaming its
+    weights, where a kernel behind it may still catch up, as oneDNN does with our AMX kernel past 32
+    rows in bf16); once one candidate is left, the larger buckets are not timed (it takes them). The
+    large buckets cost most to time.
 `choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
 fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
 bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
@@ -64,7 +67,8 @@ VERSION = 6                              # of the measurement: a change here re-
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
-DROP_RATIO, DROP_FROM = 1.5, 16
+DROP_RATIO, DROP_FROM = 2.5, 16
+DROP_BEHIND, GROWTH = 1.5, 0.75
 FAMILY_BYTES = 128 << 20
 LARGE_ROWS, LARGE_BYTES = 256, 8 << 20
 HEAD = "lm_head"                         # the family a prefill step never runs (it computes no logits)
@@ -252,18 +256,25 @@ def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kern
         x = (torch.randn(max(timed), k, generator=gen) * 0.5).to(dtype)
         fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
         times: Timings = {kind: {} for kind in kinds}
-        live, last_ratio = list(kinds), {}
+        live, last_ratio, previous = list(kinds), {}, None
         for b in timed:
             rows, count = x[:b], len(sample) if b <= LARGE_ROWS else large
             laps = interleaved([lambda fs=fns[kind][:count]: [fn(rows) for fn in fs] for kind in live], repeats)
             for kind, seconds in zip(live, laps):
                 times[kind][b] = seconds * 1e3 * len(ws) / count
-            fastest = min(times[kind][b] for kind in live)
+            lead = min(live, key=lambda kind: times[kind][b])
+            fastest, before = times[lead][b], times[lead].get(previous)
+            # the fastest's time grows with the rows (not bound by streaming its weights any more): one
+            # falling further behind it does not come back
+            growing = before is not None and fastest >= GROWTH * before * b / previous
             for kind in list(live):
                 ratio = times[kind][b] / fastest
-                if b >= DROP_FROM and ratio > DROP_RATIO and ratio > last_ratio.get(kind, math.inf) and len(live) > 1:
+                behind = ratio > last_ratio.get(kind, math.inf) and (
+                    ratio > DROP_RATIO or (growing and ratio > DROP_BEHIND))
+                if b >= DROP_FROM and behind and len(live) > 1:
                     live.remove(kind)
                 last_ratio[kind] = ratio
+            previous = b
             if len(live) == 1 < len(kinds):
                 break              # the others dropped: the one left takes every larger bucket
         out[fam] = times
