@@ -1,6 +1,7 @@
 """Adaptive draft length: per sequence, from its recent acceptance and the current batch size,
 using measured draft and verify costs (bench/RESULTS.md, "Adaptive policy"). CostModel holds the
-cost curves: measured by a short calibration, rescaled online by the observed steps.
+cost curves: measured by a short calibration (kept in the kernel cache on CPU: Engine.calibrate), rescaled
+online by the observed steps.
 AdaptiveDraftLength gives each sequence the draft length g that maximises its tokens per second
 (g = 0, plain decoding, where speculation would cost more than it saves) and, for token trees, the
 tokens of each tree to keep; each class states its model.

@@ -7,8 +7,9 @@ at a typical context, so attention reads count) and keeps the fewest rows whose 
 KNEE_SHARE of the best it measured (ModelRunner._fit_slots): more sequences at once past that add
 latency and memory for little. The whole range is measured, not stopped at the first flat stretch:
 where the linear plan changes kernel (panel to oneDNN at 8-16 rows) a doubling can gain little and
-the next one a lot. On CUDA the count is BEST (its step is far from saturation at any batch a store
-fits).
+the next one a lot. The rows measured end at the memory bound rounded down (probe_limit), and the rates
+are kept in the kernel cache per machine, model and kernels (ModelRunner.measured): the next start
+reads them. On CUDA the count is BEST (its step is far from saturation at any batch a store fits).
 
 It knows nothing about requests or drafting.
 """
