@@ -10,6 +10,7 @@ from pipeline.engine import EngineConfig, SamplingParams, SpecEngine
 from pipeline.engine.backends.cpu import calibrate as cal
 from pipeline.engine.backends.flex import capacity
 from pipeline.engine.model import slots
+from pipeline.engine.model.plan import Kernels
 from pipeline.engine.model.runner import ModelRunner
 
 # Recorded: SmolLM2-135M bf16, 2 threads, plain steps at context ~330 (bench.step_bench --sweep), Intel
@@ -89,7 +90,7 @@ def test_memory_bounds_the_measurement(monkeypatch):
 
 def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
     """A second runner of the same model reads the measured rates from the kernel cache (nothing timed,
-    the same slots, "cached" in its reason); another context, or another model, is measured."""
+    the same slots, "cached" in its reason); another context, another model or other kernels are measured."""
     timed = []
     monkeypatch.setattr(ModelRunner, "_decode_rate", lambda self, rows, c, r: timed.append(rows) or 10.0 * min(rows, 4))
     monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
@@ -104,3 +105,7 @@ def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
     timed.clear()
     ModelRunner(tiny_llama(layers=3), EngineConfig(max_num_seqs="auto", max_model_len=256))
     assert len(timed) == 9
+    timed.clear()
+    other = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256), Kernels(cpu_linear="off"))
+    assert len(timed) == 9 and other.identity()["plan"]["linear"] != first.identity()["plan"]["linear"]
+    assert again.identity() == first.identity()           # measured or cached, the same kernels

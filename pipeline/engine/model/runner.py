@@ -137,13 +137,15 @@ class ModelRunner:
 
     def identity(self) -> dict:
         """What the time of this runner's forwards depends on besides the machine: the model's shape, the
-        dtype, the device and the kernels that run it (their measured plans, not how long measuring took)."""
+        dtype, the device and the kernels that run it (their plans, not how long measuring took, and the
+        keys of the measurements behind them, which name our kernels' builds)."""
         cfg = text_config(self.model.config)
         shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim", "vocab_size")}
         plan = {k: re.sub(r"measured in [0-9.]+ s|cached", "", v) for k, v in self.plan.__dict__.items()}
-        return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan}
+        keys = [p.key for p in (self.calibration, self.attention_plan, self.mlp_plan) if p is not None]
+        return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan, "measured": keys}
 
     def measured(self, name: str, fields: dict, measure: Callable[[], object]) -> tuple[object, bool]:
         """(`measure()`'s result, whether it was read from the kernel cache): on CPU kept there under this
