@@ -23,9 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = {"linear plan": ("pipeline.engine.model.runner", "calibrate"),
-         "attention plan": ("pipeline.engine.model.runner", "calibrate_attention"),
-         "MLP plan": ("pipeline.engine.model.runner", "calibrate_mlp")}
+PARTS = {"linear plan": "calibrate", "attention plan": "calibrate_attention", "MLP plan": "calibrate_mlp"}   # runner's
 MEASURED = {"slot-rates": "slot rates", "cost-curves": "cost curves"}     # ModelRunner.measured's names
 
 
@@ -42,17 +40,12 @@ def _timed(seconds: dict, name: str, fn):
 
 def child(args) -> None:
     """One start, timed by part; prints its JSON."""
-    import importlib
+    from pipeline.engine.model import runner
     seconds: dict[str, float] = {}
-    for name, (module, attr) in PARTS.items():
-        owner = importlib.import_module(module)
-        *path, leaf = attr.split(".")
-        for step in path:
-            owner = getattr(owner, step)
-        setattr(owner, leaf, _timed(seconds, name, getattr(owner, leaf)))
-    from pipeline.engine.model.runner import ModelRunner
-    measured = ModelRunner.measured
-    ModelRunner.measured = lambda self, name, *a: _timed(seconds, MEASURED[name], measured)(self, name, *a)
+    for name, function in PARTS.items():
+        setattr(runner, function, _timed(seconds, name, getattr(runner, function)))
+    measured = runner.ModelRunner.measured
+    runner.ModelRunner.measured = lambda self, name, *a: _timed(seconds, MEASURED[name], measured)(self, name, *a)
     from bench.common import MODELS
     from pipeline.engine import DraftingConfig, EngineConfig, Kernels
     from pipeline.job.config import ModelsConfig
