@@ -124,7 +124,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again")
-    monkeypatch.setattr(cal, "measure", no_measuring)
+    monkeypatch.setattr(cal, "measure_plans", no_measuring)
     second = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
     assert second.cached and second.plans == first.plans and second.timings == first.timings
     assert "cached" in second.describe()
@@ -251,8 +251,9 @@ def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
             f.write("x")
         time.sleep(0.5)
         # F.linear fastest: the children then run no oneDNN call (no OpenMP pool after the fork)
-        return {fam: {kind: {1: 1.0 if kind == "torch" else 2.0} for kind in kinds} for fam in weights}
-    monkeypatch.setattr(cal, "measure", slow_measure)
+        times = {kind: {1: 1.0 if kind == "torch" else 2.0} for kind in kinds}
+        return {fam: (times, cal.choose_plan(times), {}) for fam in weights}
+    monkeypatch.setattr(cal, "measure_plans", slow_measure)
 
     weights = _weights()
 
@@ -351,6 +352,72 @@ def test_near_equal_kernels_make_no_extra_switch():
              "onednn": {1: 2.15, 2: 1.8, 4: 1.9, 8: 1.9, 64: 3.1}}
     assert cal.choose_plan(times).describe() == "panel<=4 onednn"
 
+
+
+def _panel_steps(rows: int) -> float:
+    """A panel kernel's ms in steps of 4-row blocks (each block one more pass of arithmetic over the
+    streamed weights)."""
+    return 4.0 + 0.5 * ((rows + 3) // 4 - 1) * 4
+
+
+def test_a_switch_moves_to_where_the_two_kernels_cross():
+    """Buckets 4 and 8 say panel, then oneDNN (flat 5.2 ms). The panel kernel costs 4 ms to 4 rows and
+    6 ms from 5: oneDNN keeps 5-8 rows. Rising smoothly by 0.5 ms per row past 4 instead, it is faster
+    to 6 rows: the switch moves there."""
+    costs = {"onednn": lambda r: 5.2, "panel": _panel_steps}
+    times = {k: {b: costs[k](b) for b in (1, 2, 4, 8, 16)} for k in costs}
+    asked = []
+
+    def time_at(rows, pair):
+        asked.append((rows, pair))
+        return {k: costs[k](rows) for k in pair}
+    plan = cal.choose_plan(times)
+    assert plan.describe() == "panel<=4 onednn"
+    moved, probes = cal.crossings(plan, times, time_at)
+    assert moved.describe() == "panel<=4 onednn" and sorted(probes) == [5, 6]
+    assert all(4 < rows < 8 and pair == ("panel", "onednn") for rows, pair in asked)
+
+    def smooth(rows):
+        return 4.0 + 0.5 * max(0, rows - 4)               # 6 ms at 8 rows
+    costs = {"onednn": lambda r: 5.2, "panel": smooth}
+    times = {k: {b: costs[k](b) for b in (1, 2, 4, 8, 16)} for k in costs}
+    moved, probes = cal.crossings(cal.choose_plan(times), times, time_at)
+    assert moved.describe() == "panel<=6 onednn" and cal.choose_plan(times).describe() == "panel<=4 onednn"
+    assert moved.kind(6) == "panel" and moved.kind(7) == "onednn" and moved.kind(4096) == "onednn"
+
+
+def test_a_crossing_far_out_is_found_to_an_eighth_of_the_rows():
+    """Three kernels, two switches: panel to 3 rows, AMX to 100, oneDNN past. The second switch lies
+    between the 64 and 128 buckets and is found within 8 rows, in 3 probes."""
+    costs = {"panel": lambda r: 1.0 + 0.5 * r, "amx": lambda r: 2.0 + 0.1 * r, "onednn": lambda r: 7.0 + 0.05 * r}
+    times = {k: {b: costs[k](b) for b in cal.BUCKETS} for k in costs}
+    plan = cal.choose_plan(times, tolerance=0.0)
+    assert plan.kinds == ("panel", "amx", "onednn")
+    moved, probes = cal.crossings(plan, times, lambda rows, pair: {k: costs[k](rows) for k in pair})
+    assert moved.kind(2) == "panel" and moved.kind(3) == "amx"        # panel 2.5 vs AMX 2.2 at 3 rows
+    last_amx = moved.last_rows("amx")
+    assert 92 <= last_amx <= 100 and moved.kind(101) == "onednn"
+    assert len([r for r in probes if r > 64]) == 3
+
+
+def test_measuring_moves_each_switch_to_the_crossing(monkeypatch):
+    """The real measuring loop with refine: the panel kernel in 4-row steps, oneDNN flat 5.2 ms to 16
+    rows. The plan switches after 4 rows, found by timing 6 and 5 rows."""
+    import time
+
+    def fake(kind, weight, kernel, amx=None):
+        def run(x):
+            rows = x.shape[0]
+            ms = _panel_steps(rows) if kind == "panel" else max(5.2, 0.3 * rows)
+            end = time.perf_counter() + ms * 1e-4
+            while time.perf_counter() < end:
+                pass
+        return run
+    monkeypatch.setattr(cal, "_runner", fake)
+    times, plan, probes = cal.measure_plans({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None,
+                                            repeats=3)["qkv"]
+    assert plan.describe() == "panel<=4 onednn" and sorted(probes) == [5, 6]
+    assert all(set(p) == {"panel", "onednn"} for p in probes.values())
 
 # One start on a busy machine: both kinds read the scheduler's slices, not the work (16 to 512 tokens).
 BUSY = {16: {"kernel": 7.98, "sdpa": 8.01}, 64: {"kernel": 23.99, "sdpa": 24.0},

@@ -28,7 +28,11 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
 `choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
 fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
 bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
-timings make no extra switch). Calls between two buckets take the larger bucket's kernel.
+timings make no extra switch). `crossings` then moves each switch between two kernels to where they
+cross, timing the two at rows between the buckets (halving the gap, to CROSSING_STEP of the rows):
+the panel kernel's time rises in steps of its row blocks and oneDNN's does not, so the bucket above
+says little about the rows just past a bucket (on the AMX box in fp32, 5 rows, a verify of 4 draft
+tokens, ran 1.3x faster on the panel kernel than on oneDNN, which 8 rows had chosen).
 
 The result is cached in the kernel cache folder (build.py), keyed by the CPU (model name and
 instruction-set flags), torch's version, the threads, the dtype, the model's linear shapes and the
@@ -63,12 +67,13 @@ from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
-VERSION = 6                              # of the measurement: a change here re-measures every cached plan
+VERSION = 7                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
 DROP_RATIO, DROP_FROM = 2.5, 16
 DROP_BEHIND, GROWTH = 1.5, 0.75
+CROSSING_STEP = 0.125                    # where two kernels cross, found to 1/8 of the rows (or one row)
 FAMILY_BYTES = 128 << 20
 LARGE_ROWS, LARGE_BYTES = 256, 8 << 20
 HEAD = "lm_head"                         # the family a prefill step never runs (it computes no logits)
@@ -174,6 +179,7 @@ class Calibration:
     cached: bool = False
     single: bool = False                  # one kernel per family (memory allowed no second copy)
     family_bytes: dict[str, int] = field(default_factory=dict)
+    crossings: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)  # family -> rows -> kind -> ms
 
     def extra_bytes(self) -> int:
         """Memory the plans' second (and third) copies of weights take (the panel and AMX kernels share one)."""
@@ -202,7 +208,8 @@ class Calibration:
                 "seconds": self.seconds, "isa": self.isa, "family_bytes": self.family_bytes,
                 "timings": {f: {k: {str(b): ms for b, ms in t.items()} for k, t in per.items()}
                             for f, per in self.timings.items()},
-                "plans": {f: [list(s) for s in p.segments] for f, p in self.plans.items()}}
+                "plans": {f: [list(s) for s in p.segments] for f, p in self.plans.items()},
+                "crossings": {f: {str(n): t for n, t in per.items()} for f, per in self.crossings.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -212,7 +219,8 @@ class Calibration:
                    {f: {k: {int(b): float(ms) for b, ms in t.items()} for k, t in per.items()}
                     for f, per in data["timings"].items()},
                    {f: LinearPlan(tuple((int(last), kind) for last, kind in segs)) for f, segs in data["plans"].items()},
-                   data["isa"], float(data["seconds"]), cached=True, family_bytes=data.get("family_bytes", {}))
+                   data["isa"], float(data["seconds"]), cached=True, family_bytes=data.get("family_bytes", {}),
+                   crossings={f: {int(n): t for n, t in per.items()} for f, per in data.get("crossings", {}).items()})
 
 
 def _runner(kind: str, weight: torch.Tensor, kernel: PanelKernel | None,
@@ -240,45 +248,102 @@ def _sample(weights: list[torch.Tensor], limit: int = FAMILY_BYTES) -> list[torc
     return taken
 
 
+class _FamilyTimer:
+    """One family's sampled weights in each kernel's layout, timed at any row count up to `most`."""
+
+    def __init__(self, weights: list[torch.Tensor], kinds: tuple[str, ...], kernel: PanelKernel | None,
+                 amx: PanelKernel | None, most: int, gen: torch.Generator):
+        self.total = len(weights)
+        sample = _sample(weights)
+        self.large = len(_sample(weights, LARGE_BYTES))               # its first weights
+        self.x = (torch.randn(most, sample[0].shape[1], generator=gen) * 0.5).to(sample[0].dtype)
+        self.fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
+
+    def __call__(self, rows: int, kinds, repeats: int) -> dict[str, float]:
+        """kind -> ms of one pass of `rows` rows over all the family's weights, the kinds in turn."""
+        x = self.x[:rows]
+        count = len(next(iter(self.fns.values()))) if rows <= LARGE_ROWS else self.large
+        laps = interleaved([lambda fs=self.fns[kind][:count]: [fn(x) for fn in fs] for kind in kinds], repeats)
+        return {kind: seconds * 1e3 * self.total / count for kind, seconds in zip(kinds, laps)}
+
+
+def _time_buckets(timer: _FamilyTimer, kinds: tuple[str, ...], timed: tuple[int, ...], repeats: int) -> Timings:
+    """Each live kind at each bucket, dropping those that fall behind (the module's docstring)."""
+    times: Timings = {kind: {} for kind in kinds}
+    live, last_ratio, previous = list(kinds), {}, None
+    for b in timed:
+        for kind, ms in timer(b, live, repeats).items():
+            times[kind][b] = ms
+        lead = min(live, key=lambda kind: times[kind][b])
+        fastest, before = times[lead][b], times[lead].get(previous)
+        # the fastest's time grows with the rows (not bound by streaming its weights any more): one
+        # falling further behind it does not come back
+        growing = before is not None and fastest >= GROWTH * before * b / previous
+        for kind in list(live):
+            ratio = times[kind][b] / fastest
+            behind = ratio > last_ratio.get(kind, math.inf) and (
+                ratio > DROP_RATIO or (growing and ratio > DROP_BEHIND))
+            if b >= DROP_FROM and behind and len(live) > 1:
+                live.remove(kind)
+            last_ratio[kind] = ratio
+        previous = b
+        if len(live) == 1 < len(kinds):
+            break              # the others dropped: the one left takes every larger bucket
+    return times
+
+
+def crossings(plan: LinearPlan, times: Timings,
+              time_at: Callable[[int, tuple[str, str]], dict[str, float]]) -> tuple[LinearPlan, dict[int, dict[str, float]]]:
+    """The plan with each switch from one kernel to the next moved to where the two cross: between the
+    last bucket of a segment and the next bucket timed, the rows are halved in turn (`time_at(rows,
+    (kind, next_kind))` -> kind -> ms), the faster taking the half, until the two ends are adjacent or
+    within CROSSING_STEP of each other. Calls between two buckets otherwise take the larger one's kernel:
+    5 rows (4 draft tokens and one more) would run oneDNN's blocked kernel at its 8-row cost where the
+    panel kernel, still streaming the weights, is faster. (plan, rows -> kind -> ms of the probes)."""
+    buckets = sorted({b for per in times.values() for b in per})
+    segments, probes = list(plan.segments), {}
+    for i in range(len(segments) - 1):
+        (low, kind), (_, after) = segments[i], segments[i + 1]
+        high = next((b for b in buckets if b > low), None)
+        if high is None or kind == after:
+            continue
+        while high - low > max(1, int(low * CROSSING_STEP)):
+            mid = (low + high) // 2
+            probes[mid] = time_at(mid, (kind, after))
+            low, high = (mid, high) if probes[mid][kind] <= probes[mid][after] else (low, mid)
+        segments[i] = (low, kind)
+    return LinearPlan(tuple(segments)), probes
+
+
+def _measured(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
+              buckets: tuple[int, ...], repeats: int, amx: PanelKernel | None, prefill_rows: int | None):
+    """(family, its Timings, its timer) for each family in turn, one family's layouts alive at a time."""
+    gen = torch.Generator().manual_seed(0)
+    for fam, ws in weights.items():
+        timed = tuple(buckets) + ((prefill_rows,) if prefill_rows is not None and fam != HEAD else ())
+        timer = _FamilyTimer(ws, kinds, kernel, amx, max(timed), gen)
+        yield fam, _time_buckets(timer, kinds, timed, repeats), timer
+        del timer
+
+
 def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
             buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS,
             amx: PanelKernel | None = None, prefill_rows: int | None = None) -> dict[str, Timings]:
     """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
     them, scaled by count: past LARGE_ROWS rows a smaller one). prefill_rows: one more bucket, for every
     family but the LM head."""
-    gen = torch.Generator().manual_seed(0)
-    out: dict[str, Timings] = {}
-    for fam, ws in weights.items():
-        timed = tuple(buckets) + ((prefill_rows,) if prefill_rows is not None and fam != HEAD else ())
-        sample = _sample(ws)
-        large = len(_sample(ws, LARGE_BYTES))              # its first weights
-        dtype, k = sample[0].dtype, sample[0].shape[1]
-        x = (torch.randn(max(timed), k, generator=gen) * 0.5).to(dtype)
-        fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
-        times: Timings = {kind: {} for kind in kinds}
-        live, last_ratio, previous = list(kinds), {}, None
-        for b in timed:
-            rows, count = x[:b], len(sample) if b <= LARGE_ROWS else large
-            laps = interleaved([lambda fs=fns[kind][:count]: [fn(rows) for fn in fs] for kind in live], repeats)
-            for kind, seconds in zip(live, laps):
-                times[kind][b] = seconds * 1e3 * len(ws) / count
-            lead = min(live, key=lambda kind: times[kind][b])
-            fastest, before = times[lead][b], times[lead].get(previous)
-            # the fastest's time grows with the rows (not bound by streaming its weights any more): one
-            # falling further behind it does not come back
-            growing = before is not None and fastest >= GROWTH * before * b / previous
-            for kind in list(live):
-                ratio = times[kind][b] / fastest
-                behind = ratio > last_ratio.get(kind, math.inf) and (
-                    ratio > DROP_RATIO or (growing and ratio > DROP_BEHIND))
-                if b >= DROP_FROM and behind and len(live) > 1:
-                    live.remove(kind)
-                last_ratio[kind] = ratio
-            previous = b
-            if len(live) == 1 < len(kinds):
-                break              # the others dropped: the one left takes every larger bucket
-        out[fam] = times
-        del fns
+    return {fam: times for fam, times, _ in _measured(weights, kinds, kernel, buckets, repeats, amx, prefill_rows)}
+
+
+def measure_plans(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
+                  buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS, amx: PanelKernel | None = None,
+                  prefill_rows: int | None = None) -> dict[str, tuple[Timings, LinearPlan, dict]]:
+    """`measure`, and each family's plan (choose_plan) moved to where its kernels cross (`crossings`),
+    timed while the family's weights are in their layouts: family -> (timings, plan, probes)."""
+    out = {}
+    for fam, times, timer in _measured(weights, kinds, kernel, buckets, repeats, amx, prefill_rows):
+        plan, probes = crossings(choose_plan(times), times, lambda rows, pair: timer(rows, pair, repeats))
+        out[fam] = (times, plan, probes)
     return out
 
 
@@ -435,15 +500,17 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
-        timings = measure(weights, kinds, kernel, amx=amx, prefill_rows=prefill) if len(kinds) > 1 else {
-            f: {kinds[0]: {BUCKETS[0]: 1.0}} for f in weights}
+        timed = measure_plans(weights, kinds, kernel, amx=amx, prefill_rows=prefill) if len(kinds) > 1 else {
+            f: ({kinds[0]: {BUCKETS[0]: 1.0}}, LinearPlan.single(kinds[0]), {}) for f in weights}
         seconds = time.perf_counter() - t0
-        plans = {f: choose_plan(t) for f, t in timings.items()}
+        timings = {f: t for f, (t, _, _) in timed.items()}
+        plans = {f: plan for f, (_, plan, _) in timed.items()}
+        probes = {f: p for f, (_, _, p) in timed.items() if p}
         isa = {k: instructions(k, dtype, host) for k in dict.fromkeys(k for p in plans.values() for k in p.kinds)}
         size = torch.empty(0, dtype=dtype).element_size()
         family_bytes = {f: sum(o * i for o, i in counts[f]) * size for f in counts}
         result = Calibration(key, host, str(dtype).removeprefix("torch."), timings, plans, isa, seconds,
-                             family_bytes=family_bytes)
+                             family_bytes=family_bytes, crossings=probes)
         return result, result.to_json()
     return _cached(folder or plans_folder(), "linear-plan", key, Calibration.from_json, measured)
 
