@@ -306,13 +306,17 @@ class SpecEngine:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
         cfg, draft = self.config, self.drafter.draft_runner
         max_draft = max(self.drafting.num_speculative_tokens, self.drafting.tree.max_tokens)   # a tree's tokens
+        # on CPU a step of twice the slots' tokens is bound by its arithmetic: larger ones are extrapolated
+        linear_past = 2 * cfg.max_num_seqs if self.target.device.type == "cpu" else None
 
         def measure() -> dict:
             costs = CostModel()
-            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, cfg.max_model_len, repeats)
+            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, cfg.max_model_len, repeats,
+                            linear_past=linear_past)
             return costs.curves()
         fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
-                  "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats}
+                  "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats,
+                  "linear_past": linear_past}
         curves, self.costs_cached = (measure(), False) if fresh else self.target.measured("cost-curves", fields, measure)
         self.costs.use(curves)
 

@@ -127,6 +127,23 @@ def test_calibration_times_every_size_in_turn_so_a_busy_stretch_bends_no_point()
         assert runner.calls == 4 * 11
 
 
+
+def test_past_a_forward_bound_by_its_arithmetic_the_curve_is_extrapolated_not_timed():
+    """linear_past 256 at 128 slots x 5 tokens: sizes 1 .. 256 timed (9 forwards a round), 512 and 640
+    priced along the line through 128 and 256 (here exact: 1 ms per token). At one slot x 5 tokens the
+    curve is timed to the end: LINEAR_FROM (64) is above it."""
+    runner = _ClockedRunner(range(0))
+    cm = CostModel()
+    cm.calibrate(runner, None, num_slots=128, max_draft=4, max_model_len=1024, repeats=3,
+                 clock=lambda: runner.now, linear_past=256)
+    assert [t for t, _ in cm.verify_curve] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert runner.calls == 4 * 9
+    assert cm.verify_cost(640) == pytest.approx(0.640) and cm.verify_cost(512) == pytest.approx(0.512)
+    small = CostModel()
+    small.calibrate(runner, None, num_slots=1, max_draft=4, max_model_len=1024, repeats=3,
+                    clock=lambda: runner.now, linear_past=2)
+    assert [t for t, _ in small.verify_curve] == [1, 2, 4, 5]
+
 # A calibration bent by a busy stretch: extra tokens look cheap at 128 rows (V(256) = 1.5 V(128)),
 # where the machine's steps are compute-bound and every token costs its full share (V(T) ~ T).
 BENT_VERIFY = [(1, 0.02), (64, 0.08), (128, 0.14), (256, 0.21), (512, 0.56), (640, 0.70)]
