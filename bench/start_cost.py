@@ -45,7 +45,8 @@ def child(args) -> None:
     for name, function in PARTS.items():
         setattr(runner, function, _timed(seconds, name, getattr(runner, function)))
     measured = runner.ModelRunner.measured
-    runner.ModelRunner.measured = lambda self, name, *a: _timed(seconds, MEASURED[name], measured)(self, name, *a)
+    runner.ModelRunner.measured = (lambda self, name, *a, **k:
+                                   _timed(seconds, MEASURED[name], measured)(self, name, *a, **k))
     from bench.common import MODELS
     from pipeline.engine import DraftingConfig, EngineConfig, Kernels
     from pipeline.job.config import ModelsConfig

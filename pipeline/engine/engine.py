@@ -301,7 +301,7 @@ class SpecEngine:
         draft model, if any. Must run while no sequence holds a slot: it writes scratch KV. On CPU the
         curves are kept in the kernel cache (ModelRunner.measured): a later start of the same models,
         kernels, slots and draft length on this machine reads them (the run's steps rescale them online
-        as ever); fresh: measure them again."""
+        as ever); fresh: measure them again, and keep those for later starts."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
         cfg, draft = self.config, self.drafter.draft_runner
@@ -317,7 +317,7 @@ class SpecEngine:
         fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
                   "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats,
                   "linear_past": linear_past}
-        curves, self.costs_cached = (measure(), False) if fresh else self.target.measured("cost-curves", fields, measure)
+        curves, self.costs_cached = self.target.measured("cost-curves", fields, measure, fresh=fresh)
         self.costs.use(curves)
 
     @property

@@ -147,13 +147,15 @@ class ModelRunner:
         keys = [p.key for p in (self.calibration, self.attention_plan, self.mlp_plan) if p is not None]
         return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan, "measured": keys}
 
-    def measured(self, name: str, fields: dict, measure: Callable[[], object]) -> tuple[object, bool]:
+    def measured(self, name: str, fields: dict, measure: Callable[[], object],
+                 fresh: bool = False) -> tuple[object, bool]:
         """(`measure()`'s result, whether it was read from the kernel cache): on CPU kept there under this
         runner's identity and `fields`, so the next start of the same model and kernels on this machine
-        reads it in milliseconds; elsewhere measured each time (a GPU's forwards take milliseconds)."""
+        reads it in milliseconds (fresh: measured now all the same, and kept for those starts); elsewhere
+        measured each time (a GPU's forwards take milliseconds)."""
         if self.device.type != "cpu":
             return measure(), False
-        return cached_measurement(name, {"runner": self.identity(), **fields}, measure)
+        return cached_measurement(name, {"runner": self.identity(), **fields}, measure, fresh=fresh)
 
     def _decode_rate(self, rows: int, context: int, repeats: int) -> float:
         """Tokens/s of a plain decoding step of `rows` rows at `context` (median of `repeats` after a warm-up)."""

@@ -346,8 +346,8 @@ def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model
 def test_the_cost_curves_are_measured_once_per_machine_models_and_slots(target_model, draft_model, tmp_path,
                                                                         monkeypatch):
     """On CPU the curves are kept in the kernel cache: a second engine of the same models and slots reads
-    them (nothing timed, the same curves); fresh=True measures again, and so do other slots, another
-    longest draft, or another drafter's models."""
+    them (nothing timed, the same curves); fresh=True measures again and keeps what it measured for the
+    next engine; so do other slots, another longest draft, or another drafter's models."""
     monkeypatch.setattr(cal, "plans_folder", lambda: tmp_path)
     measured = []
     real = CostModel.calibrate
@@ -365,6 +365,8 @@ def test_the_cost_curves_are_measured_once_per_machine_models_and_slots(target_m
         assert getattr(second.costs, name) == getattr(first.costs, name)
     second.calibrate(fresh=True)
     assert measured == [4, 4] and second.costs_cached is False
+    third = engine()                                    # reads what the fresh measurement kept
+    assert measured == [4, 4] and third.costs_cached and third.costs.verify_curve == second.costs.verify_curve
     engine(slots=3), engine(g=2), engine(kind="ngram")
     assert measured == [4, 4, 3, 4, 4]
     engine(kind="ngram")

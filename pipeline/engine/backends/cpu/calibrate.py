@@ -403,15 +403,16 @@ def measuring_alone(name: str, folder: Path | None = None):
 
 
 def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
-            measure: Callable[[], tuple[object, dict]]):
-    """`load` of the file `name-key.json` in `folder` where this machine wrote one, else the result of
-    `measure` (result, its JSON), written there; a measurement whose JSON is None is used but not kept.
+            measure: Callable[[], tuple[object, dict]], fresh: bool = False):
+    """`load` of the file `name-key.json` in `folder` where this machine wrote one (unless `fresh`), else the
+    result of `measure` (result, its JSON), written there; a measurement whose JSON is None is used but not kept.
     Workers starting together on one machine: one measures (timings taken side by side would be each
     other's noise) while the others wait on the lock, then read its file."""
     path = folder / f"{name}-{key}.json"
     with measuring_alone(f"{name}-{key}", folder):
         try:
-            return load(json.loads(path.read_text()))
+            if not fresh:
+                return load(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):            # none yet, or unreadable: measure
             pass
         result, data = measure()
@@ -428,10 +429,11 @@ def _cached(folder: Path, name: str, key: str, load: Callable[[dict], object],
 
 
 def cached_measurement(name: str, fields: dict, measure: Callable[[], object],
-                       folder: Path | None = None) -> tuple[object, bool]:
+                       folder: Path | None = None, fresh: bool = False) -> tuple[object, bool]:
     """(`measure()`'s JSON-able result, whether it was read from the cache): kept in `folder` (default:
     the kernel cache's plans/) under `fields` and this machine (machine()), so a later start on the
-    same machine with the same fields reads it instead of measuring again."""
+    same machine with the same fields reads it instead of measuring again. fresh: measured now, and
+    what later starts read."""
     key = _digest({"machine": machine(), **fields})
 
     def load(data: dict) -> tuple[object, bool]:
@@ -442,7 +444,7 @@ def cached_measurement(name: str, fields: dict, measure: Callable[[], object],
     def measured() -> tuple[tuple[object, bool], dict]:
         value = measure()
         return (value, False), {"version": VERSION, "key": key, "fields": fields, "value": value}
-    return _cached(folder or plans_folder(), name, key, load, measured)
+    return _cached(folder or plans_folder(), name, key, load, measured, fresh)
 
 
 def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmups: int) -> dict[str, float]:
