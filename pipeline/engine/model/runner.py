@@ -10,7 +10,6 @@ This module knows nothing about requests, drafting or sampling.
 from __future__ import annotations
 
 import inspect
-import re
 import time
 import warnings
 from dataclasses import replace
@@ -107,6 +106,7 @@ class ModelRunner:
                                   self.cache.max_len, CudaCapture(self.device) if chosen.capture_graphs else None,
                                   self._flex_tables if self.flex else None)
                        if chosen.graphs and self.decoder is None and self.cpu_attention is None else None)
+        self._chosen = chosen
         self.plan = self._plan(chosen)
         if measure:
             self._fit_slots()
@@ -143,7 +143,7 @@ class ModelRunner:
         shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim", "vocab_size")}
-        plan = {k: re.sub(r"measured in [0-9.]+ s|cached", "", v) for k, v in self.plan.__dict__.items()}
+        plan = dict(self._plan(self._chosen, how=False).__dict__)
         keys = [p.key for p in (self.calibration, self.attention_plan, self.mlp_plan) if p is not None]
         return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan, "measured": keys}
 
@@ -236,18 +236,19 @@ class ModelRunner:
                                      prefill_rows=prefill_rows).within(budget)
         return self.calibration.plans
 
-    def _plan(self, chosen: Backends) -> BackendPlan:
-        attention = (self.attention_plan.describe() if self.attention_plan is not None else
+    def _plan(self, chosen: Backends, how: bool = True) -> BackendPlan:
+        """What runs the forwards; how: with whether each measured plan was measured or read from the cache."""
+        attention = (self.attention_plan.describe(how) if self.attention_plan is not None else
                      "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
         forced = self.kernels.linear_plan
         earlier = next((m.plan for m in self.model.modules() if type(m) is PlannedLinear), None)
         linear = (("torch" if earlier is None else f"planned earlier: {earlier.describe()}") if not self.planned
-                  else self.calibration.describe() if self.calibration is not None
+                  else self.calibration.describe(how) if self.calibration is not None
                   else f"planned: {forced.describe()}" if forced is not None
                   else f"panel-{str(self.dtype).removeprefix('torch.')}" if self.panel_linears else "onednn-packed")
         graphs = "off" if self.graphs is None else "captured" if chosen.capture_graphs else "uncaptured"
-        mlp = (self.mlp_plan.describe() if self.mlp_plan is not None
+        mlp = (self.mlp_plan.describe(how) if self.mlp_plan is not None
                else "merged gate/up + silu_mul" if self.fused_mlps else "modules")
         return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules", mlp,
                            "cpu-loop" if self.decoder is not None else "modules", graphs,

@@ -127,7 +127,8 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cal, "measure_plans", no_measuring)
     second = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
     assert second.cached and second.plans == first.plans and second.timings == first.timings
-    assert "cached" in second.describe()
+    assert "cached" in second.describe() and "measured in" in first.describe()
+    assert second.describe(how=False) == first.describe(how=False)          # what runs, not how it was got
     # a torn or older file is measured again (and rewritten)
     monkeypatch.undo()
     for text in ("{", json.dumps(dict(json.loads(files[0].read_text()), version=cal.VERSION - 1))):

@@ -83,6 +83,10 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp1
 Timings = dict[str, dict[int, float]]   # kind -> bucket -> ms for the whole family
 
 
+def _how(cached: bool, seconds: float) -> str:
+    return "cached" if cached else f"measured in {seconds:.1f} s"
+
+
 def _fastest(times: Timings) -> tuple[list[int], dict[int, float]]:
     """The buckets timed (sorted) and each one's fastest time over the kernels."""
     buckets = sorted({b for per in times.values() for b in per})
@@ -192,7 +196,9 @@ class Calibration:
             return self
         return replace(self, plans={f: single_plan(t) for f, t in self.timings.items()}, single=True)
 
-    def describe(self) -> str:
+    def describe(self, how: bool = True) -> str:
+        """The plan per family and each kernel's instructions; how: and whether it was measured (in how
+        long) or read from the cache."""
         plans = {f: self.plans[f].describe() for f in FAMILIES if f in self.plans}
         if len(set(plans.values())) == 1:
             text = next(iter(plans.values()))
@@ -200,8 +206,9 @@ class Calibration:
             text = ", ".join(f"{f}: {p}" for f, p in plans.items())
         used = dict.fromkeys(k for p in self.plans.values() for k in p.kinds)
         isa = "; ".join(f"{k} on {self.isa.get(k, '?')}" for k in used)
-        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
-        return f"{text} ({isa}; {how}{'; one kernel per family for memory' if self.single else ''})"
+        notes = [isa] + ([_how(self.cached, self.seconds)] if how else []) + (
+            ["one kernel per family for memory"] if self.single else [])
+        return f"{text} ({'; '.join(notes)})"
 
     def to_json(self) -> dict:
         return {"version": VERSION, "key": self.key, "machine": self.machine, "dtype": self.dtype,
@@ -534,12 +541,13 @@ class AttentionPlan:
     seconds: float
     cached: bool = False
 
-    def describe(self) -> str:
-        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+    def describe(self, how: bool = True) -> str:
+        """Where rows leave our kernel; how: as Calibration.describe's."""
+        note = f" ({_how(self.cached, self.seconds)})" if how else ""
         if self.long_kind is None:
-            return f"cpu-kernel ({how})"
+            return f"cpu-kernel{note}"
         by = "our AMX kernel" if self.long_kind == "amx" else "torch's flash attention"
-        return f"cpu-kernel, {by} for rows of >= {self.long_from} new tokens ({how})"
+        return f"cpu-kernel, {by} for rows of >= {self.long_from} new tokens{note}"
 
     def to_json(self) -> dict:
         return {"version": VERSION, "key": self.key, "seconds": self.seconds, "long_kind": self.long_kind,
@@ -627,9 +635,10 @@ class MlpPlan:
     seconds: float
     cached: bool = False
 
-    def describe(self) -> str:
-        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
-        return f"{'merged gate/up + silu_mul' if self.merged else 'modules'} ({how})"
+    def describe(self, how: bool = True) -> str:
+        """The MLP form; how: as Calibration.describe's."""
+        note = f" ({_how(self.cached, self.seconds)})" if how else ""
+        return f"{'merged gate/up + silu_mul' if self.merged else 'modules'}{note}"
 
     def to_json(self) -> dict:
         return {"version": VERSION, "key": self.key, "seconds": self.seconds, "merged": self.merged,
