@@ -124,7 +124,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again")
-    monkeypatch.setattr(cal, "measure_plans", no_measuring)
+    monkeypatch.setattr(cal, "measure", no_measuring)
     second = cal.calibrate(_weights(), SHAPES, ("onednn", "torch"), None, tmp_path)
     assert second.cached and second.plans == first.plans and second.timings == first.timings
     assert "cached" in second.describe() and "measured in" in first.describe()
@@ -149,7 +149,7 @@ def _timed(monkeypatch, costs: dict, kinds: tuple[str, ...]):
                 pass
         return run
     monkeypatch.setattr(cal, "_runner", fake)
-    return cal.measure({"qkv": [torch.zeros(8, 8)]}, kinds, None, repeats=1)["qkv"]
+    return cal.measure({"qkv": [torch.zeros(8, 8)]}, kinds, None, repeats=1)["qkv"][0]
 
 
 def test_measuring_drops_a_kernel_that_falls_behind(monkeypatch):
@@ -205,11 +205,11 @@ def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
     weights = [torch.zeros(512, 1024) for _ in range(12)]                       # fp32: 2 MB each
     timed = cal.measure({"down": weights, "lm_head": weights[:1]}, ("onednn",), None, buckets=(1, 256), repeats=1,
                         prefill_rows=2048)
-    times = timed["down"]
+    times = timed["down"][0]
     assert calls[2048] == 2 * 4 and calls[256] == 2 * 12 + 2                   # a warm-up pass, a timed one
     assert all(11 < t < 20 for t in times["onednn"].values())
     assert sorted(times["onednn"]) == [1, 256, 2048]
-    assert sorted(timed["lm_head"]["onednn"]) == [1, 256]           # a prefill step computes no logits
+    assert sorted(timed["lm_head"][0]["onednn"]) == [1, 256]           # a prefill step computes no logits
 
 
 def test_the_runner_applies_the_measured_plan(tmp_path, monkeypatch):
@@ -254,7 +254,7 @@ def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
         # F.linear fastest: the children then run no oneDNN call (no OpenMP pool after the fork)
         times = {kind: {1: 1.0 if kind == "torch" else 2.0} for kind in kinds}
         return {fam: (times, cal.choose_plan(times), {}) for fam in weights}
-    monkeypatch.setattr(cal, "measure_plans", slow_measure)
+    monkeypatch.setattr(cal, "measure", slow_measure)
 
     weights = _weights()
 
@@ -415,8 +415,7 @@ def test_measuring_moves_each_switch_to_the_crossing(monkeypatch):
                 pass
         return run
     monkeypatch.setattr(cal, "_runner", fake)
-    times, plan, probes = cal.measure_plans({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None,
-                                            repeats=3)["qkv"]
+    times, plan, probes = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=3)["qkv"]
     assert plan.describe() == "panel<=4 onednn" and sorted(probes) == [5, 6]
     assert all(set(p) == {"panel", "onednn"} for p in probes.values())
 

@@ -81,6 +81,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp1
              "amx_int8", "amx_fp16", "asimd", "sve", "bf16")
 
 Timings = dict[str, dict[int, float]]   # kind -> bucket -> ms for the whole family
+Probes = dict[int, dict[str, float]]    # rows between two buckets -> kind -> ms (`crossings`)
 
 
 def _how(cached: bool, seconds: float) -> str:
@@ -183,7 +184,7 @@ class Calibration:
     cached: bool = False
     single: bool = False                  # one kernel per family (memory allowed no second copy)
     family_bytes: dict[str, int] = field(default_factory=dict)
-    crossings: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)  # family -> rows -> kind -> ms
+    crossings: dict[str, Probes] = field(default_factory=dict)    # family -> its crossings' probes
 
     def extra_bytes(self) -> int:
         """Memory the plans' second (and third) copies of weights take (the panel and AMX kernels share one)."""
@@ -262,16 +263,17 @@ class _FamilyTimer:
                  amx: PanelKernel | None, most: int, gen: torch.Generator):
         self.total = len(weights)
         sample = _sample(weights)
-        self.large = len(_sample(weights, LARGE_BYTES))               # its first weights
+        self.sampled, self.large = len(sample), len(_sample(weights, LARGE_BYTES))   # the latter: its first weights
         self.x = (torch.randn(most, sample[0].shape[1], generator=gen) * 0.5).to(sample[0].dtype)
         self.fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
 
     def __call__(self, rows: int, kinds, repeats: int) -> dict[str, float]:
         """kind -> ms of one pass of `rows` rows over all the family's weights, the kinds in turn."""
         x = self.x[:rows]
-        count = len(next(iter(self.fns.values()))) if rows <= LARGE_ROWS else self.large
-        laps = interleaved([lambda fs=self.fns[kind][:count]: [fn(x) for fn in fs] for kind in kinds], repeats)
-        return {kind: seconds * 1e3 * self.total / count for kind, seconds in zip(kinds, laps)}
+        count = self.sampled if rows <= LARGE_ROWS else self.large
+        ms = _interleaved({kind: (lambda fs=self.fns[kind][:count]: [fn(x) for fn in fs]) for kind in kinds},
+                          repeats, warmups=1)
+        return {kind: t * self.total / count for kind, t in ms.items()}
 
 
 def _time_buckets(timer: _FamilyTimer, kinds: tuple[str, ...], timed: tuple[int, ...], repeats: int) -> Timings:
@@ -300,7 +302,7 @@ def _time_buckets(timer: _FamilyTimer, kinds: tuple[str, ...], timed: tuple[int,
 
 
 def crossings(plan: LinearPlan, times: Timings,
-              time_at: Callable[[int, tuple[str, str]], dict[str, float]]) -> tuple[LinearPlan, dict[int, dict[str, float]]]:
+              time_at: Callable[[int, tuple[str, str]], dict[str, float]]) -> tuple[LinearPlan, Probes]:
     """The plan with each switch from one kernel to the next moved to where the two cross: between the
     last bucket of a segment and the next bucket timed, the rows are halved in turn (`time_at(rows,
     (kind, next_kind))` -> kind -> ms), the faster taking the half, until the two ends are adjacent or
@@ -322,35 +324,22 @@ def crossings(plan: LinearPlan, times: Timings,
     return LinearPlan(tuple(segments)), probes
 
 
-def _measured(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
-              buckets: tuple[int, ...], repeats: int, amx: PanelKernel | None, prefill_rows: int | None):
-    """(family, its Timings, its timer) for each family in turn, one family's layouts alive at a time."""
+def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
+            buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS, amx: PanelKernel | None = None,
+            prefill_rows: int | None = None) -> dict[str, tuple[Timings, LinearPlan, Probes]]:
+    """family -> (kind -> bucket -> ms of one pass over all the family's weights, timed on a sample of
+    them and scaled by count: past LARGE_ROWS rows a smaller one; its plan (choose_plan) moved to where
+    its kernels cross (`crossings`), timed while its weights are in their layouts; those probes).
+    prefill_rows: one more bucket, for every family but the LM head. One family's layouts alive at a time."""
     gen = torch.Generator().manual_seed(0)
+    out = {}
     for fam, ws in weights.items():
         timed = tuple(buckets) + ((prefill_rows,) if prefill_rows is not None and fam != HEAD else ())
         timer = _FamilyTimer(ws, kinds, kernel, amx, max(timed), gen)
-        yield fam, _time_buckets(timer, kinds, timed, repeats), timer
-        del timer
-
-
-def measure(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
-            buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS,
-            amx: PanelKernel | None = None, prefill_rows: int | None = None) -> dict[str, Timings]:
-    """family -> kind -> bucket -> ms of one pass over all the family's weights (timed on a sample of
-    them, scaled by count: past LARGE_ROWS rows a smaller one). prefill_rows: one more bucket, for every
-    family but the LM head."""
-    return {fam: times for fam, times, _ in _measured(weights, kinds, kernel, buckets, repeats, amx, prefill_rows)}
-
-
-def measure_plans(weights: dict[str, list[torch.Tensor]], kinds: tuple[str, ...], kernel: PanelKernel | None,
-                  buckets: tuple[int, ...] = BUCKETS, repeats: int = REPEATS, amx: PanelKernel | None = None,
-                  prefill_rows: int | None = None) -> dict[str, tuple[Timings, LinearPlan, dict]]:
-    """`measure`, and each family's plan (choose_plan) moved to where its kernels cross (`crossings`),
-    timed while the family's weights are in their layouts: family -> (timings, plan, probes)."""
-    out = {}
-    for fam, times, timer in _measured(weights, kinds, kernel, buckets, repeats, amx, prefill_rows):
+        times = _time_buckets(timer, kinds, timed, repeats)
         plan, probes = crossings(choose_plan(times), times, lambda rows, pair: timer(rows, pair, repeats))
         out[fam] = (times, plan, probes)
+        del timer
     return out
 
 
@@ -509,7 +498,7 @@ def calibrate(weights: dict[str, list[torch.Tensor]], counts: dict[str, list[tup
 
     def measured() -> tuple[Calibration, dict]:
         t0 = time.perf_counter()
-        timed = measure_plans(weights, kinds, kernel, amx=amx, prefill_rows=prefill) if len(kinds) > 1 else {
+        timed = measure(weights, kinds, kernel, amx=amx, prefill_rows=prefill) if len(kinds) > 1 else {
             f: ({kinds[0]: {BUCKETS[0]: 1.0}}, LinearPlan.single(kinds[0]), {}) for f in weights}
         seconds = time.perf_counter() - t0
         timings = {f: t for f, (t, _, _) in timed.items()}
