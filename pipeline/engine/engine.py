@@ -54,6 +54,7 @@ from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
 from .model.prefill import forward_history
 from .model.runner import ModelRunner
+from .model.slots import measuring_context
 
 
 @dataclass
@@ -306,17 +307,23 @@ class SpecEngine:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
         cfg, draft = self.config, self.drafter.draft_runner
         max_draft = max(self.drafting.num_speculative_tokens, self.drafting.tree.max_tokens)   # a tree's tokens
-        # on CPU a step of twice the slots' tokens is bound by its arithmetic: larger ones are extrapolated
-        linear_past = 2 * cfg.max_num_seqs if self.target.device.type == "cpu" else None
+        # On CPU a step of twice the slots' tokens is bound by its arithmetic: larger ones are extrapolated.
+        # Where the runner timed plain steps up to its slots (max_num_seqs: auto), those are the curve up to
+        # there, and past the slots it runs on along their last two: the cost of an added row, which bounds
+        # that of an added token from above (a row reads its own KV, a token its row's), so that drafting
+        # at a full batch is priced high, not low, until the run's steps say otherwise (StepFit).
+        steps = self.target.plain_steps if cfg.max_num_seqs in self.target.plain_steps else {}
+        cpu = self.target.device.type == "cpu"
+        linear_past = (cfg.max_num_seqs if steps else 2 * cfg.max_num_seqs) if cpu else None
 
         def measure() -> dict:
             costs = CostModel()
-            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, cfg.max_model_len, repeats,
-                            linear_past=linear_past)
+            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, measuring_context(cfg.max_model_len),
+                            repeats, linear_past=linear_past, known=None if fresh else steps)
             return costs.curves()
         fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
                   "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats,
-                  "linear_past": linear_past}
+                  "linear_past": linear_past, "plain_steps": sorted(steps)}
         curves, self.costs_cached = self.target.measured("cost-curves", fields, measure, fresh=fresh)
         self.costs.use(curves)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import greedy_reference, mixed_prompts, run_requests, tiny_llama
-from pipeline.engine import EngineConfig, SamplingParams, SpecEngine
+from pipeline.engine import DraftingConfig, EngineConfig, NgramDrafter, SamplingParams, SpecEngine
 from pipeline.engine.backends.cpu import calibrate as cal
 from pipeline.engine.backends.flex import capacity
 from pipeline.engine.model import slots
@@ -58,10 +58,10 @@ def test_the_runner_keeps_the_slots_up_to_the_knee(target_model, monkeypatch):
     timed, positions = [], []
 
     def curve(self, rows, context, repeats):
-        timed.append(rows)
+        timed.extend(rows)
         positions.append(self.cache.max_len)
-        return {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 62.0}.get(rows, 64.0)
-    monkeypatch.setattr(ModelRunner, "_decode_rate", curve)
+        return [r / {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 62.0}.get(r, 64.0) for r in rows]
+    monkeypatch.setattr(ModelRunner, "_step_seconds", curve)
     monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
     runner = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=1024))
     assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -81,7 +81,7 @@ def test_the_runner_keeps_the_slots_up_to_the_knee(target_model, monkeypatch):
 def test_memory_bounds_the_measurement(monkeypatch):
     """Memory for 3 slots only: 1, 2 and 3 rows are timed, never more."""
     timed = []
-    monkeypatch.setattr(ModelRunner, "_decode_rate", lambda self, rows, c, r: timed.append(rows) or 10.0 * rows)
+    monkeypatch.setattr(ModelRunner, "_step_seconds", lambda self, rows, c, r: timed.extend(rows) or [0.1] * len(rows))
     model = tiny_llama()
     monkeypatch.setattr(slots, "free_memory", lambda device: 4 * 3 * slots.slot_bytes(model, 256) + 1)
     runner = ModelRunner(model, EngineConfig(max_num_seqs="auto", max_model_len=256))
@@ -92,7 +92,8 @@ def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
     """A second runner of the same model reads the measured rates from the kernel cache (nothing timed,
     the same slots, "cached" in its reason); another context, another model or other kernels are measured."""
     timed = []
-    monkeypatch.setattr(ModelRunner, "_decode_rate", lambda self, rows, c, r: timed.append(rows) or 10.0 * min(rows, 4))
+    monkeypatch.setattr(ModelRunner, "_step_seconds",
+                        lambda self, rows, c, r: timed.extend(rows) or [n / (10.0 * min(n, 4)) for n in rows])
     monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
     first = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
     assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 256] and first.num_slots == 4
@@ -109,3 +110,29 @@ def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
     other = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256), Kernels(cpu_linear="off"))
     assert len(timed) == 9 and other.identity()["plan"]["linear"] != first.identity()["plan"]["linear"]
     assert again.identity() == first.identity()           # measured or cached, the same kernels
+
+
+def test_the_cost_curve_takes_the_measured_plain_steps(monkeypatch):
+    """An adaptive engine on an auto runner: its cost curve up to the 8 slots kept is the runner's plain
+    steps (their made-up seconds, far below what a forward takes, so a timed one would show), and the
+    calibration forwards only the sizes past them, to a full verify step (8 x 5 tokens, below
+    LINEAR_FROM); measured again (fresh), every size is timed."""
+    fake = {1: 1e-7, 2: 2e-7, 4: 3e-7}          # then 0.5e-7 a row: tokens/s flat from 8 rows on
+    monkeypatch.setattr(ModelRunner, "_step_seconds", lambda self, rows, c, r: [fake.get(n, n * 0.5e-7) for n in rows])
+    monkeypatch.setattr(slots, "free_memory", lambda device: 1 << 40)
+    runner = ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert runner.num_slots == 8 and runner.plain_steps == {**fake, 8: 4e-7}
+    engine = SpecEngine(runner, NgramDrafter(), EngineConfig(max_num_seqs="auto", max_model_len=256),
+                        drafting=DraftingConfig(method="ngram", adaptive=True))
+    forwarded = []
+    real = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda slots_, starts, tokens, **k:
+                        forwarded.append(sum(map(len, tokens))) or real(slots_, starts, tokens, **k))
+    engine.calibrate()
+    assert engine.costs.verify_curve[:4] == [(1, 1e-7), (2, 2e-7), (4, 3e-7), (8, 4e-7)]
+    assert [t for t, _ in engine.costs.verify_curve[4:]] == [16, 32, 40]       # 8 slots x 5 tokens
+    assert sorted(set(forwarded)) == [16, 32, 40] and engine.costs_cached is False
+    forwarded.clear()
+    engine.calibrate(fresh=True)
+    assert sorted(set(forwarded)) == [1, 2, 4, 8, 16, 32, 40]
+    assert all(s > 1.3e-5 for _, s in engine.costs.verify_curve)     # none of the made-up ones

@@ -171,10 +171,10 @@ class CostModel:
         return self.draft_scale * self.draft_prefill_s * lag
 
     def calibrate(self, target: ModelRunner, draft: ModelRunner | None, num_slots: int, max_draft: int,
-                  max_model_len: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
-                  linear_past: int | None = None) -> None:
+                  context: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+                  linear_past: int | None = None, known: dict[int, float] | None = None) -> None:
         """Measure the target's forward time per number of tokens and the draft's per number of rows
-        (the cost curves), at a typical context length: attention reads grow with it, and a curve
+        (the cost curves), at a typical `context` length: attention reads grow with it, and a curve
         measured at context 0 underprices extra query tokens. Every forward of a model is timed once per
         round, the rounds in turn (time_forwards): a stretch where the machine is busy elsewhere slows one
         measurement of each size, not every measurement of one size, and a curve bent by such a stretch
@@ -184,14 +184,20 @@ class CostModel:
         past twice its slots: one fp32 start at 128 slots read 1.94 ms per token from 128 to 256 tokens
         and 1.88 from 256 to 640), no size past it (nor past LINEAR_FROM) is timed, and the curve runs on
         along the line through its last two points (`_interp`); the run's steps correct it (StepFit).
-        The largest sizes took three quarters of that start's 13.6 s of measuring."""
-        context = min(max_model_len // 2, 384)
+        The largest sizes took three quarters of that start's 13.6 s of measuring. (Engine.calibrate
+        also takes it where the line is an upper bound.)
+        known: seconds of forwards of one token per row at `context` already timed the same way, by rows
+        (the runner's plain steps, measured to fit its slots: ModelRunner.plain_steps); a size of the
+        curve up to the slots that is among them is taken from them, not timed again."""
         max_tokens = num_slots * (max_draft + 1)
         if linear_past is not None:
             max_tokens = min(max_tokens, max(linear_past, LINEAR_FROM))
         sizes = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)} | {max_tokens})
-        times = time_forwards(target, [(t, num_slots, "all") for t in sizes], context, repeats, clock)
-        self.verify_curve = CostModel.monotone(list(zip(sizes, times)))
+        seconds = {t: s for t, s in (known or {}).items() if t in sizes and t <= num_slots}
+        timed = [t for t in sizes if t not in seconds]
+        seconds.update(zip(timed, time_forwards(target, [(t, num_slots, "all") for t in timed], context, repeats,
+                                                clock)))
+        self.verify_curve = CostModel.monotone([(t, seconds[t]) for t in sizes])
         self.measured, self.fits = True, {}
         if draft is None:
             return

@@ -10,7 +10,6 @@ This module knows nothing about requests, drafting or sampling.
 from __future__ import annotations
 
 import inspect
-import time
 import warnings
 from dataclasses import replace
 from typing import Callable
@@ -29,6 +28,7 @@ from ..backends.compiled import compile_layers, uncompile_layers
 from ..backends.cuda.graphs import MAX_TOKENS, UNCAPTURED, CudaCapture, StepGraphs
 from ..backends.flex import BLOCK, block_tables, capacity, prefer_flex
 from ..config import AUTO, EngineConfig
+from ..core.timing import interleaved
 from ..core.tree import is_chain
 from ..core.verify import HostVerifyOutput
 from ..core.verify_step import Readback, SlotCounts, Tail, VerifyStep, tail_spec
@@ -95,6 +95,7 @@ class ModelRunner:
         measure = auto and self.device.type == "cpu" and not chosen.graphs
         self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
+        self.plain_steps: dict[int, float] = {}   # rows -> s of a one-token step at measuring_context (_fit_slots)
         self._counts: SlotCounts | None = None   # penalty counts per slot (forward_verify)
         self._draft_q: torch.Tensor | None = None   # every verify tail's dense q rows (forward_verify)
         self.cache_kwarg = cache_kwarg(model)
@@ -111,20 +112,24 @@ class ModelRunner:
         if measure:
             self._fit_slots()
 
-    def _fit_slots(self, repeats: int = 2) -> None:
+    def _fit_slots(self, repeats: int = 3) -> None:
         """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
         this runner (slots.py): steps of 1, 2, 4, ... rows of one token at measuring_context, up to the slots
-        it has; then the store of max_model_len positions for those slots. The rates are kept in the
-        kernel cache (measured): the next start of this model and plan on this machine reads them."""
+        it has, timed in turn (_step_seconds); then the store of max_model_len positions for those slots.
+        The rates are kept in the kernel cache (measured): the next start of this model and plan on this
+        machine reads them. The steps up to the slots kept stay in `plain_steps`: the adaptive policy's
+        cost curve takes them (Engine.calibrate) rather than timing the same forwards again."""
         context = measuring_context(self.max_model_len)
         rows = probe_rows(probe_limit(self.num_slots))
 
         def measure() -> list[list[float]]:
             with measuring_alone("slot-steps"):           # workers starting together: one at a time
-                return [[r, self._decode_rate(r, context, repeats)] for r in rows]
-        measured, cached = self.measured("slot-rates", {"context": context, "rows": rows, "repeats": repeats}, measure)
+                return [[r, r / s] for r, s in zip(rows, self._step_seconds(rows, context, repeats))]
+        measured, cached = self.measured("slot-rates", {"context": context, "rows": rows, "repeats": repeats,
+                                                        "rounds": "in turn"}, measure)
         rates = [(int(r), float(t)) for r, t in measured]
         n = knee(rates)
+        self.plain_steps = {r: r / t for r, t in rates if r <= n}
         self.num_forward_tokens = 0
         self.cache = self._store(n)
         if self.decoder is not None:
@@ -157,15 +162,16 @@ class ModelRunner:
             return measure(), False
         return cached_measurement(name, {"runner": self.identity(), **fields}, measure, fresh=fresh)
 
-    def _decode_rate(self, rows: int, context: int, repeats: int) -> float:
-        """Tokens/s of a plain decoding step of `rows` rows at `context` (median of `repeats` after a warm-up)."""
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            self.forward(list(range(rows)), [context] * rows, [[0]] * rows, logits="last")
+    def _step_seconds(self, rows: list[int], context: int, repeats: int) -> list[float]:
+        """Seconds of a plain decoding step of each row count (one token per row at `context`, scratch KV
+        in the first slots): the median of `repeats` rounds, each timing every row count once (in turn, so
+        a stretch where the machine is busy elsewhere slows one timing of several sizes, not every timing
+        of one). No warm-up round: the median sets aside a first call's one-off costs as it does a
+        disturbed one."""
+        def step(n: int) -> None:
+            self.forward(list(range(n)), [context] * n, [[0]] * n, logits="last")
             self.synchronize()
-            times.append(time.perf_counter() - t0)
-        return rows / sorted(times[1:])[len(times[1:]) // 2]
+        return interleaved([lambda n=n: step(n) for n in rows], repeats, warmups=0)
 
     def _apply(self, model, chosen: Backends, kernels: Kernels, prefill_rows: int) -> None:
         """Apply the chosen kernels to the model, in place, in the order they depend on each other."""

@@ -187,9 +187,11 @@ def test_a_kernel_behind_one_still_bound_by_its_weights_is_kept(monkeypatch):
 
 
 def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
-    """Past LARGE_ROWS a bucket's pass runs over the family's first LARGE_BYTES of weights (here 4 of 12
-    weights of 2 MB) and its time is scaled to all of them: each call costs 1 ms whatever the rows, so
-    every bucket reads ~12 ms. The LM head is not timed at the prefill step's rows."""
+    """Past LARGE_ROWS a bucket's pass runs over the family's first weights up to LARGE_BYTES at LARGE_ROWS
+    rows, in proportion fewer past it (here 32 weights of 0.5 MB, 8 MB at 256 rows: 8 weights at 512
+    rows, 2 at the prefill step's 2048), and its time is scaled to all of them: each call costs 1 ms
+    whatever the rows, so every bucket reads ~32 ms. One timed pass each (repeats 1, no warm-up). The
+    LM head is not timed at the prefill step's rows."""
     import time
     calls = collections.Counter()
 
@@ -202,14 +204,14 @@ def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
         return run
     monkeypatch.setattr(cal, "_runner", fake)
     monkeypatch.setattr(cal, "LARGE_BYTES", 8 << 20)
-    weights = [torch.zeros(512, 1024) for _ in range(12)]                       # fp32: 2 MB each
-    timed = cal.measure({"down": weights, "lm_head": weights[:1]}, ("onednn",), None, buckets=(1, 256), repeats=1,
-                        prefill_rows=2048)
+    weights = [torch.zeros(256, 512) for _ in range(32)]                        # fp32: 0.5 MB each
+    timed = cal.measure({"down": weights, "lm_head": weights[:1]}, ("onednn",), None, buckets=(1, 256, 512),
+                        repeats=1, prefill_rows=2048)
     times = timed["down"][0]
-    assert calls[2048] == 2 * 4 and calls[256] == 2 * 12 + 2                   # a warm-up pass, a timed one
-    assert all(11 < t < 20 for t in times["onednn"].values())
-    assert sorted(times["onednn"]) == [1, 256, 2048]
-    assert sorted(timed["lm_head"][0]["onednn"]) == [1, 256]           # a prefill step computes no logits
+    assert calls[256] == 32 + 1 and calls[512] == 8 + 1 and calls[2048] == 2
+    assert all(30 < t < 50 for t in times["onednn"].values())
+    assert sorted(times["onednn"]) == [1, 256, 512, 2048]
+    assert sorted(timed["lm_head"][0]["onednn"]) == [1, 256, 512]      # a prefill step computes no logits
 
 
 def test_the_runner_applies_the_measured_plan(tmp_path, monkeypatch):

@@ -121,7 +121,7 @@ def test_calibration_times_every_size_in_turn_so_a_busy_stretch_bends_no_point()
     for start in range(12, 30):        # the warm-up round is 11 forwards (sizes 1 .. 640 at 128 rows x 5)
         runner = _ClockedRunner(range(start, start + 3))
         cm = CostModel()
-        cm.calibrate(runner, None, num_slots=128, max_draft=4, max_model_len=1024, repeats=3,
+        cm.calibrate(runner, None, num_slots=128, max_draft=4, context=384, repeats=3,
                      clock=lambda: runner.now)
         assert cm.verify_curve == [(t, pytest.approx(t * 1e-3)) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 640)]
         assert runner.calls == 4 * 11
@@ -134,15 +134,35 @@ def test_past_a_forward_bound_by_its_arithmetic_the_curve_is_extrapolated_not_ti
     curve is timed to the end: LINEAR_FROM (64) is above it."""
     runner = _ClockedRunner(range(0))
     cm = CostModel()
-    cm.calibrate(runner, None, num_slots=128, max_draft=4, max_model_len=1024, repeats=3,
+    cm.calibrate(runner, None, num_slots=128, max_draft=4, context=384, repeats=3,
                  clock=lambda: runner.now, linear_past=256)
     assert [t for t, _ in cm.verify_curve] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert runner.calls == 4 * 9
     assert cm.verify_cost(640) == pytest.approx(0.640) and cm.verify_cost(512) == pytest.approx(0.512)
     small = CostModel()
-    small.calibrate(runner, None, num_slots=1, max_draft=4, max_model_len=1024, repeats=3,
+    small.calibrate(runner, None, num_slots=1, max_draft=4, context=384, repeats=3,
                     clock=lambda: runner.now, linear_past=2)
     assert [t for t, _ in small.verify_curve] == [1, 2, 4, 5]
+
+def test_sizes_among_the_known_plain_steps_are_taken_not_timed():
+    """The runner's plain steps up to its 128 slots (rows -> s, here 2 ms per row, unlike the clock's
+    1 ms per token, so a timed size would show): with linear_past at the slots nothing is timed, the
+    curve is those steps and runs on along the last two past them. At 32 slots the curve still reaches
+    LINEAR_FROM (64 tokens): that one size is timed (a warm-up and 3 rounds), the rest taken."""
+    steps = {r: 2e-3 * r for r in (1, 2, 4, 8, 16, 32, 64, 128, 192)}
+    runner = _ClockedRunner(range(0))
+    cm = CostModel()
+    cm.calibrate(runner, None, num_slots=128, max_draft=4, context=384, repeats=3,
+                 clock=lambda: runner.now, linear_past=128, known=steps)
+    assert runner.calls == 0
+    assert cm.verify_curve == [(t, 2e-3 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert cm.verify_cost(640) == pytest.approx(1.28)
+    few = CostModel()
+    few.calibrate(runner, None, num_slots=32, max_draft=4, context=384, repeats=3,
+                  clock=lambda: runner.now, linear_past=32, known={r: s for r, s in steps.items() if r <= 32})
+    assert runner.calls == 4
+    assert few.verify_curve == [(t, 2e-3 * t) for t in (1, 2, 4, 8, 16, 32)] + [(64, pytest.approx(64e-3))]
+
 
 # A calibration bent by a busy stretch: extra tokens look cheap at 128 rows (V(256) = 1.5 V(128)),
 # where the machine's steps are compute-bound and every token costs its full share (V(T) ~ T).

@@ -15,9 +15,10 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
     64 sequences) and the engine's prefill step (engine.max_prefill_tokens) past them, for every family
     but the LM head (a prefill step computes no logits); rows past the last bucket take its kernel.
     Buckets past LARGE_ROWS are bound by the arithmetic, not by streaming the weights, and are timed on
-    fewer of them (LARGE_BYTES);
-  * per bucket one warm-up pass and REPEATS timed passes of each live candidate in turn (interleaved,
-    so drift hits all alike), the median kept; a candidate that is more than DROP_RATIO slower than the
+    fewer of them (LARGE_BYTES at LARGE_ROWS rows, fewer in proportion past it: the prefill step's on one
+    or two);
+  * per bucket REPEATS timed passes of each live candidate in turn (interleaved, so drift hits all
+    alike), the median kept (it sets aside a first pass's one-off costs); a candidate that is more than DROP_RATIO slower than the
     best and losing ground as rows grow, from DROP_FROM rows on, is not timed at larger buckets (a
     blocked kernel far behind at a few rows, oneDNN's, gains ground as rows grow and may still win at
     many), nor is one more than DROP_BEHIND slower and losing ground where the fastest's time has
@@ -67,7 +68,7 @@ from .attention import RowAttention
 from .build import cache_dir, cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
-VERSION = 7                              # of the measurement: a change here re-measures every cached plan
+VERSION = 8                              # of the measurement: a change here re-measures every cached plan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 3
 TOLERANCE = 0.10                         # a kernel stays in a plan only where it is >10% faster than the rest
@@ -263,16 +264,23 @@ class _FamilyTimer:
                  amx: PanelKernel | None, most: int, gen: torch.Generator):
         self.total = len(weights)
         sample = _sample(weights)
-        self.sampled, self.large = len(sample), len(_sample(weights, LARGE_BYTES))   # the latter: its first weights
+        self.sample = sample
         self.x = (torch.randn(most, sample[0].shape[1], generator=gen) * 0.5).to(sample[0].dtype)
         self.fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
 
+    def count(self, rows: int) -> int:
+        """The weights a pass of `rows` rows runs over: the whole sample up to LARGE_ROWS rows; past them
+        its first weights up to LARGE_BYTES * LARGE_ROWS / rows bytes (at least one), a pass's arithmetic
+        staying that of LARGE_BYTES at LARGE_ROWS rows."""
+        return len(self.sample) if rows <= LARGE_ROWS else len(_sample(self.sample, LARGE_BYTES * LARGE_ROWS // rows))
+
     def __call__(self, rows: int, kinds, repeats: int) -> dict[str, float]:
-        """kind -> ms of one pass of `rows` rows over all the family's weights, the kinds in turn."""
-        x = self.x[:rows]
-        count = self.sampled if rows <= LARGE_ROWS else self.large
+        """kind -> ms of one pass of `rows` rows over all the family's weights, the kinds in turn. No
+        warm-up round: the median of `repeats` (3) sets aside a first call's one-off costs (oneDNN's
+        kernel for a new row count) as it does a disturbed one."""
+        x, count = self.x[:rows], self.count(rows)
         ms = _interleaved({kind: (lambda fs=self.fns[kind][:count]: [fn(x) for fn in fs]) for kind in kinds},
-                          repeats, warmups=1)
+                          repeats, warmups=0)
         return {kind: t * self.total / count for kind, t in ms.items()}
 
 
