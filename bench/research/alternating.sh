@@ -8,7 +8,8 @@
 #     bash bench/research/alternating.sh qwen-draft-cap   # Qwen pair, bf16 draft, adaptive, draft cap 4 / 6, batch 1
 #     bash bench/research/alternating.sh adaptive-pairs   # SmolLM2 n-gram fixed / adaptive at batch 1, plain / adaptive all at once
 #     bash bench/research/alternating.sh adaptive-default # SmolLM2, the auto dtype: plain / adaptive n-gram at batch 1, 64 and 240 at once
-#     bash bench/research/alternating.sh adaptive-240-fp32 # SmolLM2 fp32, 240 prompts at 128 rows: adaptive n-gram / plain, order alternating
+#     bash bench/research/alternating.sh adaptive-240-fp32 # SmolLM2 fp32, 240 prompts, max_num_seqs auto: adaptive n-gram / plain, order alternating
+#     bash bench/research/alternating.sh adaptive-b1-fp32  # SmolLM2 fp32, 4 prompts at batch 1: adaptive n-gram / plain, order alternating, 5 pairs
 #
 # Prompt files are made by bench.make_prompts / bench.make_templated when missing. Each mode writes one
 # JSON per run under bench/out/<mode>/ (tokens_per_s, acceptance_rate, mean_tokens_per_round, ...).
@@ -33,7 +34,7 @@ one() {    # one OUT ARGS...: one engine run
     "$PY" -m bench.run_one --mode engine "$@" --out "$out"
 }
 
-MODE=${1:?usage: bash bench/research/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs|adaptive-default|adaptive-240-fp32}
+MODE=${1:?usage: bash bench/research/alternating.sh suffix-rules|prefix-reuse|qwen-prefix|qwen-draft-cap|adaptive-pairs|adaptive-default|adaptive-240-fp32|adaptive-b1-fp32}
 OUT=bench/out/$MODE
 mkdir -p "$OUT"
 TEMPLATED=bench/out/prompts_templated.json
@@ -138,7 +139,18 @@ adaptive-240-fp32)
         order="ngram none"; [ $((rep % 2)) = 0 ] && order="none ngram"
         for d in $order; do
             extra=""; [ $d = ngram ] && extra="--adaptive"
-            one "$OUT/${d}_240_$rep.json" --model smollm2 --batch 128 --prompts "$OUT/prompts_240.json" \
+            one "$OUT/${d}_240_$rep.json" --model smollm2 --batch auto --prompts "$OUT/prompts_240.json" \
+                --max-tokens 128 --dtype float32 --drafter $d $extra
+        done
+    done ;;
+adaptive-b1-fp32)
+    mixed256
+    first 4 $P256 "$OUT/prompts_4.json"
+    for rep in 1 2 3 4 5; do
+        order="ngram none"; [ $((rep % 2)) = 0 ] && order="none ngram"
+        for d in $order; do
+            extra=""; [ $d = ngram ] && extra="--adaptive"
+            one "$OUT/${d}_b1_$rep.json" --model smollm2 --batch 1 --prompts "$OUT/prompts_4.json" \
                 --max-tokens 128 --dtype float32 --drafter $d $extra
         done
     done ;;
