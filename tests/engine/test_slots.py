@@ -112,6 +112,34 @@ def test_the_rates_are_measured_once_per_machine_model_and_context(monkeypatch):
     assert again.identity() == first.identity()           # measured or cached, the same kernels
 
 
+def test_a_start_with_less_memory_reads_the_rates_up_to_its_bound(monkeypatch, tmp_path):
+    """Rates measured to 256 rows serve a later start whose memory bounds it to 100 slots (probe limit
+    96): nothing is timed, its count is the knee of the rows up to 96 (64: within 10% of their best).
+    On a fresh cache, a start bounded to 64 first, then one with room for 1000: the second measures again
+    (the cached rates stop short of its bound), and a third bounded to 100 reads what it measured."""
+    timed = []
+    rate = {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 80.0, 32: 85.0, 64: 95.0}     # past 64: 200
+    monkeypatch.setattr(ModelRunner, "_step_seconds",
+                        lambda self, rows, c, r: timed.extend(rows) or [n / rate.get(n, 200.0) for n in rows])
+    model = tiny_llama()
+    room = {"slots": 0}
+    monkeypatch.setattr(slots, "free_memory", lambda device: 4 * room["slots"] * slots.slot_bytes(model, 256) + 1)
+
+    def start(slots_free: int) -> ModelRunner:
+        room["slots"] = slots_free
+        timed.clear()
+        return ModelRunner(tiny_llama(), EngineConfig(max_num_seqs="auto", max_model_len=256))
+    assert start(1000).num_slots == 128 and timed == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    bounded = start(100)
+    assert timed == [] and bounded.num_slots == 64 and "cached" in bounded.slots_reason
+    assert "128:" not in bounded.slots_reason
+    monkeypatch.setattr(cal, "plans_folder", lambda: tmp_path / "fresh")
+    (tmp_path / "fresh").mkdir()
+    assert start(64).num_slots == 64 and timed == [1, 2, 4, 8, 16, 32, 64]
+    assert start(1000).num_slots == 128 and timed == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert start(100).num_slots == 64 and timed == []
+
+
 def test_the_cost_curve_takes_the_measured_plain_steps(monkeypatch):
     """An adaptive engine on an auto runner: its cost curve up to the 8 slots kept is the runner's plain
     steps (their made-up seconds, far below what a forward takes, so a timed one would show), and the

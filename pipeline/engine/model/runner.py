@@ -116,18 +116,22 @@ class ModelRunner:
         """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
         this runner (slots.py): steps of 1, 2, 4, ... rows of one token at measuring_context, up to the slots
         it has, timed in turn (_step_seconds); then the store of max_model_len positions for those slots.
-        The rates are kept in the kernel cache (measured): the next start of this model and plan on this
-        machine reads them. The steps up to the slots kept stay in `plain_steps`: the adaptive policy's
-        cost curve takes them (Engine.calibrate) rather than timing the same forwards again."""
+        The rates are kept in the kernel cache (measured) whatever memory bounded them: a later start of
+        this model and plan on this machine reads those up to its own bound (two workers of a node with a
+        little more or less memory free keep the same count, the second measuring nothing), and measures
+        again where its bound reaches further. The steps up to the slots kept stay in `plain_steps`: the
+        adaptive policy's cost curve takes them (Engine.calibrate) rather than timing the same forwards again."""
         context = measuring_context(self.max_model_len)
         rows = probe_rows(probe_limit(self.num_slots))
+        fields = {"context": context, "repeats": repeats, "rounds": "in turn"}
 
         def measure() -> list[list[float]]:
             with measuring_alone("slot-steps"):           # workers starting together: one at a time
                 return [[r, r / s] for r, s in zip(rows, self._step_seconds(rows, context, repeats))]
-        measured, cached = self.measured("slot-rates", {"context": context, "rows": rows, "repeats": repeats,
-                                                        "rounds": "in turn"}, measure)
-        rates = [(int(r), float(t)) for r, t in measured]
+        measured, cached = self.measured("slot-rates", fields, measure)
+        if max(r for r, _ in measured) < rows[-1]:       # measured where less memory was free: ours reach further
+            measured, cached = self.measured("slot-rates", fields, measure, fresh=True)
+        rates = [(int(r), float(t)) for r, t in measured if r <= rows[-1]]
         n = knee(rates)
         self.plain_steps = {r: r / t for r, t in rates if r <= n}
         self.num_forward_tokens = 0
