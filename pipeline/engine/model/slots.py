@@ -9,9 +9,9 @@ latency and memory for little. The whole range is measured, not stopped at the f
 where the linear plan changes kernel (panel to oneDNN at 8-16 rows) a doubling can gain little and
 the next one a lot. The rows measured end at the memory bound rounded down (probe_limit), and the rates
 are kept in the kernel cache per machine, model and kernels (ModelRunner.measured): the next start
-reads those up to its own memory bound. The runner keeps the steps up to the slots kept (`plain_steps`), which the engine's cost
-curve takes rather than timing them again. On CUDA the count is BEST (its step is far from saturation
-at any batch a store fits).
+reads those up to its own memory bound. The runner keeps the steps up to the slots kept (`plain_steps`),
+which the engine's cost curve takes rather than timing them again. On CUDA the count is BEST (its step
+is far from saturation at any batch a store fits).
 
 It knows nothing about requests or drafting.
 """

@@ -18,14 +18,14 @@ The measurement, per family of linears (qkv, o, gate_up, down, lm_head: linear.F
     fewer of them (LARGE_BYTES at LARGE_ROWS rows, fewer in proportion past it: the prefill step's on one
     or two);
   * per bucket REPEATS timed passes of each live candidate in turn (interleaved, so drift hits all
-    alike), the median kept (it sets aside a first pass's one-off costs); a candidate that is more than DROP_RATIO slower than the
-    best and losing ground as rows grow, from DROP_FROM rows on, is not timed at larger buckets (a
-    blocked kernel far behind at a few rows, oneDNN's, gains ground as rows grow and may still win at
-    many), nor is one more than DROP_BEHIND slower and losing ground where the fastest's time has
-    begun to grow with the rows (by GROWTH of their ratio or more: no longer bound by streaming its
-    weights, where a kernel behind it may still catch up, as oneDNN does with our AMX kernel past 32
-    rows in bf16); once one candidate is left, the larger buckets are not timed (it takes them). The
-    large buckets cost most to time.
+    alike), the median kept (it sets aside a first pass's one-off costs); a candidate that is more
+    than DROP_RATIO slower than the best and losing ground as rows grow, from DROP_FROM rows on, is
+    not timed at larger buckets (a blocked kernel far behind at a few rows, oneDNN's, gains ground as
+    rows grow and may still win at many), nor is one more than DROP_BEHIND slower and losing ground
+    where the fastest's time has begun to grow with the rows (by GROWTH of their ratio or more: no
+    longer bound by streaming its weights, where a kernel behind it may still catch up, as oneDNN does
+    with our AMX kernel past 32 rows in bf16); once one candidate is left, the larger buckets are not
+    timed (it takes them). The large buckets cost most to time.
 `choose_plan` then drops a kernel from the plan wherever the others stay within TOLERANCE of the
 fastest at every bucket (each kernel in a plan is a copy of the family's weights), and takes per
 bucket the fastest of those kept, or, within TOLERANCE, the kernel of the bucket above (near-equal
