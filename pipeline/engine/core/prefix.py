@@ -106,6 +106,10 @@ class PrefixIndex:
         reused count before the slot is written."""
         own = self._slots[seq.slot]
         prompt, limit = own.prompt, len(seq.prompt_ids) - 1
+        if limit < self.min_tokens:        # no slot can hold, nor soon hold, min_tokens of it to copy
+            self._unplanned.remove(seq)
+            own.before = None
+            return Reuse()
         best, best_n, soon = None, 0, 0          # best: (slot, _Held)
         candidates = [(slot, held) for slot, held in self._slots.items() if held is not own]
         if own.before is not None:         # the slot's own freed content: reused in place, no copy

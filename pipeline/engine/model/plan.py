@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.cpu.attention import CpuAttention
+from ..backends.cpu.attention import AMX_FLAGS, CpuAttention
 from ..backends.cpu.attention import policy as cpu_attention_policy
 from ..backends.cpu.fused import FusedOps
 from ..backends.cpu.fused import policy as cpu_fused_policy
-from ..backends.cpu.linear import LinearPlan, PanelKernel
+from ..backends.cpu.build import lacks
+from ..backends.cpu.linear import AMX_FLAVOUR, FLAVOURS, LinearPlan, PanelKernel
 from ..backends.cpu.linear import policy as cpu_linear_policy
 from ..backends.compiled import policy as compiled_layers_policy
 from ..backends.cuda.graphs import policy as cuda_graphs_policy
@@ -101,6 +102,18 @@ def choose_backends(config: EngineConfig, kernels: Kernels, device: torch.device
         compiled_layers=compiled_layers_policy(kernels.compiled_layers, config.compile, device))
 
 
+def cpu_lacks(device: torch.device, dtype: torch.dtype) -> str:
+    """Our kernels for a model of this dtype that this CPU has not the instructions for, each with the
+    missing flags: checked before any build, so no compiler error is printed at start; "" if none."""
+    if device.type != "cpu":
+        return ""
+    needs = {"panel-linear": FLAVOURS[dtype].needs} if dtype in FLAVOURS else {}
+    if dtype == torch.bfloat16:
+        needs.update({"amx-linear": AMX_FLAVOUR.needs, "amx-attention": AMX_FLAGS})
+    missing = {name: lacks(flags) for name, flags in needs.items()}
+    return ", ".join(f"{name} (no {' '.join(flags)})" for name, flags in missing.items() if flags)
+
+
 @dataclass(frozen=True)
 class BackendPlan:
     """What runs one model's forward, as applied."""
@@ -113,6 +126,8 @@ class BackendPlan:
     decoder: str        # cpu-loop | modules
     graphs: str         # captured | uncaptured | off
     layers: str = "modules"   # compiled | modules (the decoder layers, backends/compiled.py)
+    cpu_lacks: str = ""       # our kernels for this dtype whose instructions the CPU has not, with the
+                              # missing flags (none compiled, so none tried); empty: none missing
 
     def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.__dict__.items())
+        return " ".join(f"{k}={v}" for k, v in self.__dict__.items() if v)

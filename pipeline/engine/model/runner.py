@@ -36,7 +36,7 @@ from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
-from .plan import BackendPlan, Backends, Kernels, choose_backends
+from .plan import BackendPlan, Backends, Kernels, choose_backends, cpu_lacks
 from .slots import (KNEE_SHARE, MEMORY_SHARE, free_memory, knee, measuring_context, probe_limit, probe_rows,
                     resolve_max_num_seqs)
 
@@ -262,7 +262,7 @@ class ModelRunner:
                else "merged gate/up + silu_mul" if self.fused_mlps else "modules")
         return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules", mlp,
                            "cpu-loop" if self.decoder is not None else "modules", graphs,
-                           "compiled" if self.compiled_layers else "modules")
+                           "compiled" if self.compiled_layers else "modules", cpu_lacks(self.device, self.dtype))
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],

@@ -57,6 +57,28 @@ def test_build_failure_names_the_compiler(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []                                              # no half-written file
 
 
+def test_a_cpu_without_the_instructions_compiles_nothing_and_the_plan_names_it(monkeypatch, caplog):
+    """The AMX and bf16 panel sources need flags (their #error): on a CPU without them nothing is
+    compiled, nothing logged, and the plan line names each kernel left out with the missing flags."""
+    from pipeline.engine.model.plan import cpu_lacks
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("compiled a kernel the CPU cannot run")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse avx2 avx512f")
+    monkeypatch.setattr(cpu_kernels, "build", no_build)
+    with caplog.at_level("WARNING"):
+        for source, needs in ((cpu_linear.SOURCE_AMX, cpu_linear.AMX_FLAVOUR.needs),
+                              (cpu_attention.SOURCE_AMX, cpu_attention.AMX_FLAGS),
+                              (cpu_linear.SOURCE_BF16, cpu_linear.FLAVOURS[torch.bfloat16].needs)):
+            found, reason = cpu_kernels.load_checked(source, lambda p: p, lambda k: None, "x", needs=needs)
+            assert found is None and reason.startswith(cpu_kernels.CPU_LACKS) and "avx512_bf16" in reason
+    assert not caplog.records
+    cpu = torch.device("cpu")
+    assert cpu_lacks(cpu, torch.bfloat16) == ("panel-linear (no avx512_bf16), amx-linear (no amx_bf16 amx_tile "
+                                              "avx512_bf16), amx-attention (no amx_bf16 amx_tile avx512_bf16)")
+    assert cpu_lacks(cpu, torch.float32) == "" and cpu_lacks(torch.device("meta"), torch.bfloat16) == ""
+
+
 def kernel(dtype=torch.float32) -> cpu_linear.PanelKernel:
     return cpu_linear.policy("on", torch.device("cpu"), dtype)
 

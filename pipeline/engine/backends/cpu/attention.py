@@ -47,6 +47,7 @@ from .build import choose, load_checked, loaded
 
 SOURCE = Path(__file__).parent / "csrc" / "slot_attention.c"
 SOURCE_AMX = Path(__file__).parent / "csrc" / "amx_attention_bf16.c"       # CPUs with amx_bf16: many-token rows
+AMX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")     # what amx_*_bf16.c's #error checks
 FUNCTIONS = {torch.float32: "slot_attention_f32", torch.bfloat16: "slot_attention_bf16kv"}   # per store dtype
 STORE_DTYPES = tuple(FUNCTIONS)
 
@@ -270,7 +271,8 @@ def _self_check_amx(kernel: AmxAttention) -> None:
 
 @lru_cache(maxsize=None)
 def _load_amx() -> tuple[AmxAttention | None, str | None]:
-    return load_checked(SOURCE_AMX, AmxAttention, _self_check_amx, "the attention kernel without AMX tiles")
+    return load_checked(SOURCE_AMX, AmxAttention, _self_check_amx, "the attention kernel without AMX tiles",
+                        needs=AMX_FLAGS)
 
 
 def amx_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

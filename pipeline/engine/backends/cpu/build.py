@@ -25,6 +25,7 @@ from typing import Callable, TypeVar
 from pipeline.engine.config import MODES
 
 K = TypeVar("K")
+CPU_LACKS = "this CPU lacks"     # how a kernel's reason starts where the CPU has not its instructions
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +43,12 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def lacks(needs: tuple[str, ...]) -> list[str]:
+    """Which of the instruction-set flags `needs` (cpuinfo names) this CPU does not report."""
+    have = set(cpu_flags().split(":", 1)[-1].split())
+    return [flag for flag in needs if flag not in have]
 
 
 def _arch_flags() -> list[str]:
@@ -92,9 +99,15 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 def load_checked(source: Path, wrap: Callable[[Path], K], check: Callable[[K], None],
-                 instead: str, extra_flags: tuple[str, ...] = ()) -> tuple[K | None, str | None]:
+                 instead: str, extra_flags: tuple[str, ...] = (),
+                 needs: tuple[str, ...] = ()) -> tuple[K | None, str | None]:
     """Build (or find) the library for `source`, wrap it and check it against its reference:
-    (kernel, None), or (None, why) on any failure, logged with what runs `instead`."""
+    (kernel, None), or (None, why) on any failure, logged with what runs `instead`. `needs`: the CPU
+    flags the source requires; where some are missing nothing is compiled and nothing logged, the
+    reason is `CPU_LACKS` and the flags (the runner's plan line names the kernels left out)."""
+    missing = lacks(needs)
+    if missing:
+        return None, f"{CPU_LACKS} {', '.join(missing)}"
     try:
         kernel = wrap(build(source, extra_flags))
         check(kernel)

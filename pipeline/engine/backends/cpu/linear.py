@@ -118,12 +118,15 @@ class Flavour:
     function: str
     layout: Callable[[torch.Tensor], torch.Tensor]
     instead: str
+    needs: tuple[str, ...] = ()      # CPU flags its source's #error checks (build.py: not compiled without)
 
 
 FLAVOURS = {torch.float32: Flavour(SOURCE, "panel_linear_f32", to_panels, "oneDNN / torch linears"),
-            torch.bfloat16: Flavour(SOURCE_BF16, "panel_linear_bf16", to_pair_panels, "oneDNN's bf16 linears")}
+            torch.bfloat16: Flavour(SOURCE_BF16, "panel_linear_bf16", to_pair_panels, "oneDNN's bf16 linears",
+                                     ("avx512f", "avx512_bf16"))}
 # AMX tiles over the bf16 pair panels (csrc/amx_linear_bf16.c): K a multiple of AMX_K
-AMX_FLAVOUR = Flavour(SOURCE_AMX, "amx_linear_bf16", to_pair_panels, "the plan without it")
+AMX_FLAVOUR = Flavour(SOURCE_AMX, "amx_linear_bf16", to_pair_panels, "the plan without it",
+                      ("amx_bf16", "amx_tile", "avx512_bf16"))
 AMX_K = 32
 
 
@@ -231,7 +234,8 @@ def _self_check(kernel: PanelKernel, cases=SELF_CHECK_CASES) -> None:
 @lru_cache(maxsize=None)
 def _load(dtype: torch.dtype = torch.float32) -> tuple[PanelKernel | None, str | None]:
     flavour = FLAVOURS[dtype]
-    return load_checked(flavour.source, lambda path: PanelKernel(path, dtype), _self_check, flavour.instead)
+    return load_checked(flavour.source, lambda path: PanelKernel(path, dtype), _self_check, flavour.instead,
+                        needs=flavour.needs)
 
 
 def _loaded(dtype: str = "float32") -> PanelKernel:
@@ -246,7 +250,8 @@ AMX_CHECK_CASES = ((1, 40, 64, True), (5, 16, 32, False), (37, 33, 96, True), (7
 @lru_cache(maxsize=None)
 def _load_amx() -> tuple[PanelKernel | None, str | None]:
     return load_checked(SOURCE_AMX, lambda path: PanelKernel(path, torch.bfloat16, AMX_FLAVOUR),
-                        lambda kernel: _self_check(kernel, AMX_CHECK_CASES), AMX_FLAVOUR.instead)
+                        lambda kernel: _self_check(kernel, AMX_CHECK_CASES), AMX_FLAVOUR.instead,
+                        needs=AMX_FLAVOUR.needs)
 
 
 def amx_kernel() -> PanelKernel:
