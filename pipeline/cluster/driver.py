@@ -222,7 +222,7 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: Sto
                 grace_until = grace_until or time.monotonic() + cfg.cluster.shutdown_grace_s
                 if stop.forced or not pool.in_flight() or time.monotonic() > grace_until:
                     raise Interrupted(stop.signum, d.committed_units, d.total_units)
-            else:
+            elif not (cfg.debug.hold_dispatch_file and os.path.exists(cfg.debug.hold_dispatch_file)):
                 _hand_out(d.queue, pool)
             if not pool.live:
                 raise JobFailed(f"no worker left ({pool.restarts} restarts used; {pool.gone_causes()}); "

@@ -1,7 +1,7 @@
 """Failure drills injected into a generation worker: a fault plan built from the job's `debug.*`
 keys and the worker's place (index, incarnation).
 
-The worker calls the plan's hooks at fixed points (`on_load`, `after_step`, `before_commit`); at the
+The worker calls the plan's hooks at fixed points (`on_start`, `on_load`, `after_step`, `before_commit`); at the
 debug defaults every hook does nothing. Only the first incarnation of worker 0 hangs or crashes on a
 step count or at load, so its replacement finishes the job; `crash_before_commit` hits every worker.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 from ..job.config import DebugConfig
@@ -23,6 +24,7 @@ EXIT_CODE = 17                              # a drill's exit status (any non-zer
 class FaultPlan:
     """What this worker does wrong; all fields at their defaults: nothing."""
     hang_load: bool = False                 # load() never returns
+    start_delay_s: float = 0                # the actor's constructor sleeps this long
     crash_after_steps: int = 0              # exit after this many engine steps (0: never)
     hang_after_steps: int = 0               # the engine loop stops after this many steps (0: never)
     crash_before_commit: bool = False       # exit after writing a unit's data, before its marker
@@ -30,10 +32,14 @@ class FaultPlan:
     @classmethod
     def from_config(cls, debug: DebugConfig, index: int, incarnation: int) -> FaultPlan:
         first_w0 = index == 0 and incarnation == 0
-        return cls(hang_load=debug.hang_load and first_w0,
+        return cls(hang_load=debug.hang_load and first_w0, start_delay_s=debug.start_delay_s if first_w0 else 0,
                    crash_after_steps=debug.crash_worker_after_steps if first_w0 else 0,
                    hang_after_steps=debug.hang_worker_after_steps if first_w0 else 0,
                    crash_before_commit=debug.crash_before_commit)
+
+    def on_start(self) -> None:
+        if self.start_delay_s:
+            time.sleep(self.start_delay_s)  # a process slow to start (a loaded node)
 
     def on_load(self) -> None:
         if self.hang_load:

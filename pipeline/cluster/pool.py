@@ -1,9 +1,13 @@
 """The worker actors and their supervision.
 
-A worker is STARTING (spawned, maybe not yet placed on a node, then loading its models), READY
-(takes units) or GONE. Every way a worker can fail ends in a verdict, never a wait:
+A worker is STARTING (spawned: its resources reserved on a node, then its process started, then its
+models loaded), READY (takes units) or GONE. Its resources are a placement group of one bundle
+(STRICT_PACK), so "placed" means Ray reserved them and "started" that the actor's process answers:
+a loaded node that starts a process slowly is not taken for a cluster without capacity. Every way
+a worker can fail ends in a verdict, never a wait:
 
     not placed within placement_timeout_s    given up (no capacity): the job goes on without it
+    placed, not started within start_timeout_s   given up (the node could not start its process)
     load raised                              the job fails (a model or config problem, same everywhere)
     load not done within load_timeout_s      given up
     actor died (node lost, OOM, os._exit)    its units are re-queued; a replacement is spawned while
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
@@ -41,10 +47,13 @@ class Worker:
     index: int
     incarnation: int
     actor: object
-    placed_ref: object
+    group: object                                      # its placement group (one bundle)
+    placed_ref: object                                 # the group's resources reserved
+    started_ref: object                                # the actor's process answers
     load_ref: object
     spawned_at: float
     placed_at: float | None = None
+    started_at: float | None = None
     state: str = STARTING
     units: dict = field(default_factory=dict)          # task ref -> unit
     cause: str = ""                                    # why it is gone
@@ -93,10 +102,15 @@ class WorkerPool:
     def _spawn(self, index: int, incarnation: int) -> Worker:
         c = self.cfg.cluster
         name = f"w{index}" + (f".{incarnation}" if incarnation else "")
+        bundle = {"CPU": c.num_cpus_per_worker, **({"GPU": c.num_gpus_per_worker} if c.num_gpus_per_worker else {})}
+        group = placement_group([bundle], strategy="STRICT_PACK")
         actor = ray.remote(GenerationWorker).options(
             num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
-            max_concurrency=self.max_units + 3).remote(self.cfg, name, index, incarnation)
-        w = Worker(name, index, incarnation, actor, actor.ping.remote(), actor.load.remote(), self.clock())
+            max_concurrency=self.max_units + 3,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        ).remote(self.cfg, name, index, incarnation)
+        w = Worker(name, index, incarnation, actor, group, group.ready(), actor.ping.remote(), actor.load.remote(),
+                   self.clock())
         self.workers.append(w)
         return w
 
@@ -113,6 +127,10 @@ class WorkerPool:
         try:
             ray.kill(w.actor)
         except RayError:
+            pass
+        try:
+            remove_placement_group(w.group)
+        except (RayError, ValueError):
             pass
         if replace and self.restarts_left > 0:
             self.restarts_left -= 1
@@ -136,7 +154,8 @@ class WorkerPool:
         refs = []
         for w in self.live:
             if w.state == STARTING:
-                refs.append(w.load_ref if w.placed_at is not None else w.placed_ref)
+                refs.append(w.placed_ref if w.placed_at is None else w.started_ref if w.started_at is None
+                            else w.load_ref)
             refs.extend(w.units)
         return refs
 
@@ -154,6 +173,8 @@ class WorkerPool:
         for w in self.live:
             if ref == w.placed_ref:
                 return self._on_placed(w)
+            if ref == w.started_ref:
+                return self._on_started(w)
             if ref == w.load_ref:
                 return self._on_loaded(w)
             if ref in w.units:
@@ -164,6 +185,15 @@ class WorkerPool:
         try:
             ray.get(w.placed_ref)
             w.placed_at = self.clock()
+        except RayError as e:
+            self.retire(w, f"could not be placed: {cause_of(e)}", replace=True)
+        return Outcome()
+
+    def _on_started(self, w: Worker) -> Outcome:
+        try:
+            ray.get(w.started_ref)
+            w.placed_at = w.placed_at or self.clock()
+            w.started_at = self.clock()
         except RayError as e:
             self.retire(w, f"could not start: {cause_of(e)}", replace=True)
         return Outcome()
@@ -194,13 +224,17 @@ class WorkerPool:
 
     # ---- deadlines --------------------------------------------------------------------------------
     def check_deadlines(self) -> Outcome:
-        """Give up on workers past their placement/load deadline or stalled while holding units."""
+        """Give up on workers past their placement/start/load deadline or stalled while holding units."""
         c, now, out = self.cfg.cluster, self.clock(), Outcome()
         for w in list(self.live):
             if w.state == STARTING and w.placed_at is None and now - w.spawned_at > c.placement_timeout_s:
                 self.retire(w, f"not placed within {c.placement_timeout_s:.0f} s: needs {c.num_cpus_per_worker:g} "
                                f"CPU, {c.num_gpus_per_worker:g} GPU; available now: {_available()}", replace=False)
-            elif w.state == STARTING and w.placed_at is not None and now - w.placed_at > c.load_timeout_s:
+            elif w.state == STARTING and w.placed_at is not None and w.started_at is None \
+                    and now - w.placed_at > c.start_timeout_s:
+                self.retire(w, f"placed, but its process did not start within {c.start_timeout_s:.0f} s "
+                               "(the node too busy or unable to start workers)", replace=False)
+            elif w.state == STARTING and w.started_at is not None and now - w.started_at > c.load_timeout_s:
                 self.retire(w, f"model load not done within {c.load_timeout_s:.0f} s", replace=False)
             elif w.state == READY and w.units and now - w.progress_at > c.stall_timeout_s:
                 cause = f"no engine step or commit for {c.stall_timeout_s:.0f} s (hung)"

@@ -38,6 +38,7 @@ class GenerationWorker:
         self.cfg, self.name, self.index, self.incarnation = cfg, name, index, incarnation
         self.config_hash = config_hash(cfg)
         self._faults = FaultPlan.from_config(cfg.debug, index, incarnation)
+        self._faults.on_start()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "units": 0,
@@ -47,7 +48,7 @@ class GenerationWorker:
 
     # ---- actor methods --------------------------------------------------------------------------
     def ping(self) -> str:
-        """Answers as soon as the actor is placed and constructed (the driver's placement check)."""
+        """Answers as soon as the actor's process is started and constructed (the driver's start check)."""
         return self.name
 
     def load(self) -> dict:

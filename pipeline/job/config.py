@@ -74,14 +74,17 @@ class ClusterConfig:
     max_unit_attempts: int = 3              # a unit failing this many times fails the job
     placement_timeout_s: float = 60         # an actor not placed by then (no capacity) is given up:
                                             # the job goes on with the live workers, fails if none is left
-    load_timeout_s: float = 900             # a placed actor's model load must finish by then
+    start_timeout_s: float = 300            # a placed actor's process must answer by then (a loaded node
+                                            # starts processes slowly: that is no lack of capacity)
+    load_timeout_s: float = 900             # a started actor's model load must finish by then
     stall_timeout_s: float = 600            # a worker holding units with no engine step or commit for
                                             # this long is taken as hung: killed, its units re-queued
     shutdown_grace_s: float = 30            # on SIGINT/SIGTERM, how long in-flight units may still commit
 
     def __post_init__(self):
         for key, low in (("num_workers", 1), ("units_in_flight", 1), ("max_unit_attempts", 1),
-                         ("max_worker_restarts", 0), ("placement_timeout_s", 1), ("load_timeout_s", 1),
+                         ("max_worker_restarts", 0), ("placement_timeout_s", 1), ("start_timeout_s", 1),
+                         ("load_timeout_s", 1),
                          ("stall_timeout_s", 1), ("shutdown_grace_s", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"cluster.{key}: expected >= {low}, got {getattr(self, key)}")
@@ -96,6 +99,9 @@ class DebugConfig:
     crash_before_commit: bool = False       # workers exit after writing a unit's data, before its marker
     hang_worker_after_steps: int = 0        # first incarnation of worker 0 stops stepping after N steps
     hang_load: bool = False                 # first incarnation of worker 0 never finishes loading
+    start_delay_s: float = 0                # first incarnation of worker 0 takes this long to start
+                                            # (its constructor sleeps: a process slow to start)
+    hold_dispatch_file: str = ""            # while this file exists the driver hands out no unit
 
 
 @dataclass
