@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..engine import RequestError
 from ..io.reader import Unit, iter_rows
 from ..job.config import JobConfig
-from ..job.rows import RowError, default_id, passthrough, row_request
+from ..job.rows import RowError, default_id, job_columns, passthrough, row_request
 
 
 @dataclass
@@ -47,6 +47,7 @@ class RowFeeder:
 
     def __init__(self, cfg: JobConfig, config_hash: str, loaded, stats: dict, metrics):
         self.cfg, self.config_hash = cfg, config_hash
+        self.columns = job_columns(cfg.input)
         self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
         self.stats, self.metrics = stats, metrics     # stats["rows"] counts error rows here
 
@@ -75,12 +76,13 @@ class RowFeeder:
             if index in unit.duplicate_rows:
                 raise RowError("duplicate_id", cfg.input.id_column,
                                f"id {row.get(cfg.input.id_column)!r} appeared in an earlier row")
-            req = row_request(row, index, unit.rel, cfg.input, cfg.sampling, cfg.run.seed, self.tokenizer)
+            req = row_request(row, self.columns, cfg.sampling, cfg.run.seed, self.tokenizer, fallback_id)
             self.engine.add_request(req.id, req.prompt_ids, req.params, req.seed)
         except RowError as e:
             return self._error_row(state, index, row, fallback_id, e.reason, e.field, e.message)
         except RequestError as e:
-            return self._error_row(state, index, row, req.id, e.code, e.field, str(e).split(": ", 1)[-1])
+            refused = RowError.of(e)
+            return self._error_row(state, index, row, req.id, refused.reason, refused.field, refused.message)
         state.pending[req.id] = (index, time.perf_counter())
         state.passthrough[req.id] = passthrough(row, cfg.input)
 

@@ -3,24 +3,22 @@
 In: `prompt` (a string) or `messages` (a list of {role, content}: the tokenizer's chat template is
 applied), optional `sampling_params` (a dict of SamplingParams keys: max_tokens, temperature, top_p,
 top_k, min_p, the penalties, stop, stop_token_ids, ignore_eos, seed; an unknown key is an error, not
-ignored) and optional `response_format` (a dict or its JSON text, as in the job).
+ignored) and optional `response_format` (a dict or its JSON text, as in the job). PROCESSOR_COLUMNS
+says so to the job's validator (job/rows.py), which checks a row as it checks a job's row.
 Out: every input column, then OUTPUT's columns. A bad row gets `error` ("reason: field: message",
 the job's reason codes) and nulls elsewhere; a row that ran gets `error` null.
 
-Knows the tokenizer (for the chat template) and the engine's records; knows nothing about Ray.
+Knows the row shape and the engine's records; validating a row is job/rows.py's; knows nothing about Ray.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pyarrow as pa
 
 from ..cluster.records import acceptance
-from ..engine import Completion, RequestError, SamplingParams
-from ..job.rows import ROW_OVERRIDES, RowError, messages_of, sampling_overrides
-from ..job.runtime import prompt_ids
+from ..engine import Completion, RequestError
+from ..job.rows import SAMPLING_KEYS, RowColumns, RowError
 from ..job.validity import structured_columns
 
 OUTPUT = pa.schema([
@@ -39,84 +37,15 @@ OUTPUT = pa.schema([
     ("record", pa.string()),                   # JSON kinds: the parsed record (compact JSON) when valid
     ("error", pa.string()),                    # null when the row ran
 ])
-SAMPLING_KEYS = (*ROW_OVERRIDES, "stop_token_ids", "ignore_eos", "seed")
+# Ray Data LLM's row shape; without an id column, a digest of the row's content names its sampling stream
+PROCESSOR_COLUMNS = RowColumns(prompt_column="prompt", messages_column="messages", id_column=None,
+                               response_format_column="response_format", sampling_column="sampling_params",
+                               sampling_keys=SAMPLING_KEYS)
 
 
-@dataclass
-class RowInput:
-    key: str                 # the row's id (id_column) or a digest of its content: names its sampling stream
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-
-
-def row_input(row: dict, defaults: SamplingParams, tokenizer, id_column: str | None, seed: int) -> RowInput:
-    """Validate and tokenize one row. Raises RowError(reason, field, message)."""
-    messages, prompt = row.get("messages"), None
-    if messages is not None:
-        messages = messages_of(messages, "messages")
-    else:
-        prompt = row.get("prompt")
-        if prompt is not None and not isinstance(prompt, str):
-            raise RowError("bad_prompt_type", "prompt", f"expected a string, got {type(prompt).__name__}")
-        if prompt is None or not prompt.strip():
-            raise RowError("empty_prompt", "prompt", f"expected a non-empty string, got {prompt!r}")
-    sampling = _sampling_params(row.get("sampling_params"))
-    try:
-        overrides = sampling_overrides({k: v for k, v in sampling.items() if k in ROW_OVERRIDES})
-    except RowError as e:
-        raise RowError(e.reason, f"sampling_params.{e.field}", e.message) from None
-    for key, kind in (("stop_token_ids", list), ("ignore_eos", bool)):
-        if key in sampling:
-            value = sampling[key]
-            ok = (isinstance(value, bool) if kind is bool else
-                  isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-            if not ok:
-                raise RowError("bad_sampling", f"sampling_params.{key}",
-                               f"expected {'true or false' if kind is bool else 'a list of token ids'}, got {value!r}")
-            overrides[key] = tuple(value) if kind is list else value
-    fmt = row.get("response_format")
-    if fmt is not None:
-        overrides["response_format"] = fmt
-    try:
-        params = replace(defaults, **overrides)
-    except RequestError as e:
-        field = "response_format" if e.field == "response_format" else f"sampling_params.{e.field}"
-        raise RowError(e.code, field, str(e).split(": ", 1)[-1]) from None
-    row_seed = sampling.get("seed", seed)
-    if isinstance(row_seed, bool) or not isinstance(row_seed, int) or row_seed < 0:
-        raise RowError("bad_sampling", "sampling_params.seed", f"expected an integer >= 0, got {row_seed!r}")
-    if id_column is not None:
-        if row.get(id_column) is None:
-            raise RowError("missing_id", id_column, "expected a non-null id")
-        key = str(row[id_column])
-    else:
-        key = hashlib.sha256(json.dumps([prompt, messages, sampling, fmt], sort_keys=True, default=str)
-                             .encode()).hexdigest()[:24]
-    try:
-        ids = prompt_ids(tokenizer, prompt, messages)
-    except Exception as e:  # noqa: BLE001 -- a template failure is this row's problem only
-        raise RowError("bad_prompt", "messages" if messages else "prompt", f"chat template failed: {e}") from None
-    return RowInput(key, ids, params, row_seed)
-
-
-def _sampling_params(value) -> dict:
-    """A row's sampling_params as a dict of the keys it sets (Arrow structs fill absent keys with null)."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RowError("bad_sampling", "sampling_params", f"expected a dict or its JSON, got {value[:80]!r}: {e}")
-    if not isinstance(value, dict):
-        raise RowError("bad_sampling", "sampling_params", f"expected a dict, got {type(value).__name__}")
-    given = {k: v for k, v in value.items() if v is not None}
-    unknown = sorted(set(given) - set(SAMPLING_KEYS))
-    if unknown:
-        raise RowError("bad_sampling", f"sampling_params.{unknown[0]}",
-                       f"unknown key; expected some of {list(SAMPLING_KEYS)}")
-    return given
+def processor_columns(id_column: str | None) -> RowColumns:
+    """PROCESSOR_COLUMNS with the configured id column (None: the content digest)."""
+    return replace(PROCESSOR_COLUMNS, id_column=id_column)
 
 
 def output_row(c: Completion) -> dict:
@@ -131,7 +60,7 @@ def output_row(c: Completion) -> dict:
 
 def row_error(e: RowError | RequestError) -> RowError:
     """The engine's refusal of a row as the RowError it is (reason, field, message)."""
-    return e if isinstance(e, RowError) else RowError(e.code, e.field, str(e).split(": ", 1)[-1])
+    return e if isinstance(e, RowError) else RowError.of(e)
 
 
 def error_row(e: RowError) -> dict:

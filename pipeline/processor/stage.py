@@ -13,7 +13,7 @@ run folder, through the job's writer (stage -> marker -> publish), so `python -m
 and the acceptance notebook read a processor run as they read a job's.
 
 Knows Ray Data's actor-UDF shape (an async __call__ over Arrow batches), the engine's step API and the
-writer; the row contract is rows.py's.
+writer; the row shape is rows.py's, its validation job/rows.py's.
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ from ..engine import Completion, RequestError, StepOutput
 from ..io.schema import to_table
 from ..io.writer import RunOutput
 from ..job.config import ENGINE_NOT_HASHED
-from ..job.rows import RowError
+from ..job.rows import RowError, RowRequest, row_request
 from .config import SpecpipeProcessorConfig
-from .rows import RowInput, error_row, output_row, row_error, row_input, with_output
+from .rows import error_row, output_row, processor_columns, row_error, with_output
 
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0          # how often a replica logs its tokens/s and acceptance
@@ -57,7 +57,7 @@ class EngineThread:
         self.stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "step_s": 0.0}
         threading.Thread(target=self._run, name="specpipe-engine", daemon=True).start()
 
-    def submit(self, request_id: str, row: RowInput) -> Future:
+    def submit(self, request_id: str, row: RowRequest) -> Future:
         future: Future = Future()
         if self.error is not None:
             future.set_exception(RuntimeError(f"the engine stopped: {self.error!r}"))
@@ -120,6 +120,7 @@ class SpecpipeStage:
 
         from ..job.runtime import build_engine
         self.config = config
+        self._columns = processor_columns(config.id_column)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"   # tokenizing between steps; its pool would spin
         torch.set_num_threads(config.threads)
         t0 = time.perf_counter()
@@ -148,12 +149,12 @@ class SpecpipeStage:
         t0 = time.perf_counter()
         for i, row in enumerate(rows):
             try:
-                req = row_input(row, self.config.sampling, self.loaded.tokenizer, self.config.id_column,
-                                self.config.seed)
+                req = row_request(row, self._columns, self.config.sampling, self.config.seed,
+                                  self.loaded.tokenizer)
             except RowError as e:
                 out[i] = self._refused(e, errors, row)
                 continue
-            rid = self._request_id(req.key)
+            rid = self._request_id(req.id)
             waiting.append((i, rid, asyncio.wrap_future(self._engine.submit(rid, req))))
         done: list[tuple[Completion, float]] = []
         for i, rid, future in waiting:

@@ -18,9 +18,9 @@ import pytest
 
 from pipeline.engine import SamplingParams
 from pipeline.errors import ConfigError
-from pipeline.job.rows import RowError
+from pipeline.job.rows import RowError, row_request
 from pipeline.processor import OUTPUT, SpecpipeProcessorConfig, build_processor
-from pipeline.processor.rows import row_input
+from pipeline.processor.rows import processor_columns
 from pipeline_util import prompt_rows, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,18 +51,22 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def processor_row(row: dict, defaults: SamplingParams, tokenizer, id_column: str | None, seed: int):
+    return row_request(row, processor_columns(id_column), defaults, seed, tokenizer)
+
+
 def test_row_contract(tokenizer):
     defaults = SamplingParams(max_tokens=16)
-    chat = row_input({"messages": [{"role": "user", "content": "Hi"}], "sampling_params": {"temperature": 0.5,
-                      "top_p": None, "seed": 7}}, defaults, tokenizer, None, 0)
+    chat = processor_row({"messages": [{"role": "user", "content": "Hi"}], "sampling_params": {"temperature": 0.5,
+                          "top_p": None, "seed": 7}}, defaults, tokenizer, None, 0)
     assert chat.params.temperature == 0.5 and chat.params.max_tokens == 16 and chat.seed == 7
     assert chat.prompt_ids == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                                             add_generation_prompt=True, tokenize=True)["input_ids"]
-    same = row_input({"messages": [{"role": "user", "content": "Hi"}], "sampling_params": {"temperature": 0.5, "seed": 7}},
-                     defaults, tokenizer, None, 0)
-    assert same.key == chat.key                                    # the content names the sampling stream
-    assert row_input({"prompt": "Hi", "id": 3}, defaults, tokenizer, "id", 0).key == "3"
-    fmt = row_input({"prompt": "Hi", "response_format": {"type": "json_object"}}, defaults, tokenizer, None, 0)
+    same = processor_row({"messages": [{"role": "user", "content": "Hi"}],
+                          "sampling_params": {"temperature": 0.5, "seed": 7}}, defaults, tokenizer, None, 0)
+    assert same.id == chat.id                                      # the content names the sampling stream
+    assert processor_row({"prompt": "Hi", "id": 3}, defaults, tokenizer, "id", 0).id == "3"
+    fmt = processor_row({"prompt": "Hi", "response_format": {"type": "json_object"}}, defaults, tokenizer, None, 0)
     assert fmt.params.response_format is not None
     for row, reason, field in [
             ({"prompt": "  "}, "empty_prompt", "prompt"), ({}, "empty_prompt", "prompt"),
@@ -75,7 +79,7 @@ def test_row_contract(tokenizer):
             ({"prompt": "x", "response_format": {"type": "regex"}}, "bad_response_format", "response_format"),
             ({"prompt": "x", "id": None}, "missing_id", "id")]:
         with pytest.raises(RowError) as e:
-            row_input(row, defaults, tokenizer, "id" if "id" in row else None, 0)
+            processor_row(row, defaults, tokenizer, "id" if "id" in row else None, 0)
         assert (e.value.reason, e.value.field) == (reason, field), row
 
 
