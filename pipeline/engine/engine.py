@@ -14,10 +14,10 @@ Glossary (used throughout the engine):
   tree      a draft of several candidate continuations (core/tree.py), verified in one forward
             (core/verify_tree.py); the accepted path's KV is moved next to the committed tokens
 
-The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. Where steps
-run ahead (engine.run_ahead: captured graphs, on a GPU), a round without drafts launches the next one
-before the host reads it back, the next inputs left on the device; a row that ended meanwhile drops
-the step launched for it.
+The round: admit -> draft -> verify -> commit (rollback = moving lengths) -> emit finished. How much a
+row drafts is the draft-length policy's answer (drafting/lengths.py: fixed or adaptive). Where steps
+run ahead (engine.run_ahead: captured graphs, on a GPU; ahead.py, a layer a reader of the round can
+skip), a round without drafts launches the next one before the host reads it back.
 
 Rows with a response_format also walk their grammar through the round's proposal (grammar/walk.py):
 each position's mask is computed once, used by the drafter and the verifier, and the walk is
@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from .ahead import Carry, RunAhead
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
@@ -47,9 +48,10 @@ from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
 from .core.verify_step import Readback, VerifyStep
-from .drafting.adaptive import AdaptiveDraftLength, CostModel
+from .drafting.adaptive import CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
+from .drafting.lengths import draft_lengths
 from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
 from .model.prefill import forward_history
@@ -113,7 +115,7 @@ class _SeqRng:
 
 
 @dataclass
-class _Launched:
+class Launched:
     """A step launched on the target: its rows, their drafts, each row's first position and inputs, and
     its readback (None where the verifier ran after an eager forward: its output is `out`)."""
     batch: list[Sequence]
@@ -185,27 +187,24 @@ class SpecEngine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.costs = CostModel()
         self.costs_cached: bool | None = None     # the cost curves were read from the kernel cache (calibrate)
-        self.policy = AdaptiveDraftLength(self.drafting.num_speculative_tokens, self.costs,
-                                          draft_is_free=self.drafter.is_free)
+        self.lengths = draft_lengths(self.drafting.adaptive, self.drafting.num_speculative_tokens, self.costs,
+                                     self.drafter.is_free)
         self._ids: set[str] = set()
         self.num_steps = 0               # decoding steps (rounds) run
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
-        self.run_ahead = self._run_ahead_policy()
-        self.num_steps_ahead = 0         # of num_steps, those launched before the previous one was read back
-        self._ahead: _Launched | None = None   # the step launched ahead, not yet read back
+        self.ahead = RunAhead(self)
 
-    def _run_ahead_policy(self) -> bool:
-        """Whether steps without drafts run ahead (engine.run_ahead): auto where the target's verify
-        steps run in captured graphs; on where they run in its step graphs, captured or not."""
-        graphs = self.target.graphs
-        possible = graphs is not None and self.target.kernels.graph_verify
-        mode = self.config.run_ahead
-        if mode == "on" and not possible:
-            raise ValueError("engine.run_ahead=on: the target's verify steps do not run in step graphs "
-                             "(engine.cuda_graphs off or unavailable); set engine.run_ahead to auto or off")
-        return possible and (mode == "on" or (mode == AUTO and graphs.capture is not None))
+    @property
+    def run_ahead(self) -> bool:
+        """Steps without drafts run ahead of their readback here (engine.run_ahead, ahead.py)."""
+        return self.ahead.enabled
+
+    @property
+    def num_steps_ahead(self) -> int:
+        """Of num_steps, those launched before the previous one was read back."""
+        return self.ahead.num_steps
 
     @property
     def grammar_s(self) -> float:
@@ -268,34 +267,33 @@ class SpecEngine:
 
     # ---- the round ------------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """One round for every running sequence: admit -> draft -> verify -> commit -> emit. Where steps
-        run ahead (engine.run_ahead), a step without drafts launches the next one before it is read back
-        (_launch_ahead): the device never waits for the host's commit, and the committed tokens are
-        the same."""
-        if self.drafting.adaptive and not self.costs.is_calibrated:
+        """One round for every running sequence: admit -> draft -> verify -> commit -> emit. (Where
+        steps run ahead, `self.ahead` holds the next step launched before this one's readback.)"""
+        if self.lengths.needs_costs and not self.costs.is_calibrated:
             self.calibrate()
-        step, self._ahead = self._ahead, None
+        step = self.ahead.take()
         if step is None:
             self._admit()
             batch = list(self.scheduler.running)
             if not batch:
                 return StepOutput()
             step = self._launch(batch, *self._draft(batch))
-        else:
-            self.num_steps_ahead += 1
-        if self._may_run_ahead(step):
-            self._ahead = self._launch_ahead(step)
+        self.ahead.launch_after(step)
         out, verify_s = self._finish(step)
-        guided, drafts = step.guided, step.guided.drafts
-        self.costs.observe(batch_size=len(step.batch), num_draft=sum(guided.num_drafted),
-                           draft_s=step.draft_s - step.catch_up_s, target_tokens=len(step.batch) + sum(drafts.num_draft),
-                           verify_s=verify_s, draft_steps=max(guided.num_drafted))
+        self._observe_costs(step, verify_s)
         rounds, alive = self._commit(step, out, verify_s)
         finished = self._emit(alive)
-        if self._ahead is not None and all(s.is_finished for s in self._ahead.batch):
-            self._ahead = None              # every row it runs ended here: nothing of it is needed
+        self.ahead.drop_ended()
         self.num_steps += 1
         return StepOutput(finished=finished, rounds=rounds)
+
+    def _observe_costs(self, step: Launched, verify_s: float) -> None:
+        """The step's draft and verify seconds, for the cost model's online rescaling."""
+        guided = step.guided
+        self.costs.observe(batch_size=len(step.batch), num_draft=sum(guided.num_drafted),
+                           draft_s=step.draft_s - step.catch_up_s,
+                           target_tokens=len(step.batch) + sum(guided.drafts.num_draft),
+                           verify_s=verify_s, draft_steps=max(guided.num_drafted))
 
     def calibrate(self, repeats: int = 3, fresh: bool = False) -> None:
         """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
@@ -329,9 +327,10 @@ class SpecEngine:
 
     @property
     def _lazy_draft(self) -> bool:
-        """Adaptive mode prefills the draft model only for sequences about to draft (Drafter.catch_up):
-        where the policy says g = 0 the draft model costs nothing, not even the prompt's KV."""
-        return self.drafting.adaptive and not self.drafter.is_free
+        """The draft model prefills only sequences about to draft (Drafter.catch_up) where the length
+        policy says so (adaptive): where it says g = 0 the draft model costs nothing, not even the
+        prompt's KV."""
+        return self.lengths.drafts_lazily
 
     def _admit(self) -> None:
         """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
@@ -385,24 +384,13 @@ class SpecEngine:
                 with self._grammar_time:
                     walk = RoundWalk([s.guide for s in batch], self.grammars.words, self.target.vocab_size)
                     guided = propose_guided(self.drafter, batch, lengths, [self._room(s) for s in batch],
-                                            generators, walk, self.drafting.forced_tokens, self._size_trees)
+                                            generators, walk, self.drafting.forced_tokens, self.lengths.size_trees)
             else:
-                proposal = self._size_trees(self.drafter.propose(batch, lengths, generators))
+                proposal = self.lengths.size_trees(self.drafter.propose(batch, lengths, generators))
                 zeros = [0] * len(batch)
                 guided = GuidedDraft(drafts=proposal, num_forced_ahead=zeros, num_drafted=list(proposal.num_draft),
                                      num_forced_after=zeros)
         return guided, walk, phase.s, catch_up_s
-
-    def _size_trees(self, proposal: DraftBatch) -> DraftBatch:
-        """Token trees cut to the sizes the adaptive policy keeps (fixed sizes: as proposed), chosen from
-        each tree's plan: a sampled tree is sized by its one-hot twin's estimates, never by those of the
-        tokens it drew (drafting/trees.py: the exactness rule)."""
-        if proposal.plans is None or not self.drafting.adaptive:
-            return proposal
-        keep = self.policy.tree_sizes([t.probs for t in proposal.plans], [t.parents for t in proposal.plans])
-        if not any(keep) and any(proposal.num_draft):
-            self.policy.forget_trees()          # refused what was offered: the calibration may be too low
-        return proposal.truncated(keep)
 
     @property
     def _trees(self) -> bool:
@@ -421,36 +409,23 @@ class SpecEngine:
         size in tokens, never past the context limit (their KV), or 0 for the whole step where the policy
         would keep none of any tree (rows under a grammar then propose only their forced tokens); a path
         accepted past max_tokens is cut at commit."""
-        drafting = self.drafting
         if self._trees:                 # a tree's depth is bounded by its size and the index, not by g
-            size = drafting.tree.max_tokens
-            if drafting.adaptive and not self.policy.tree_may_pay(len(batch), size):
-                size = 0                # the policy would keep none of any tree: no lookup
-                self.policy.forget_trees()
+            size = self.lengths.tree_size(len(batch), self.drafting.tree.max_tokens)
             return [min(size, self._room(s)) for s in batch]
-        if drafting.adaptive:
-            wanted = self.policy.choose(batch, [self.drafter.catch_up_lag(s) for s in batch])
-        else:
-            wanted = [drafting.num_speculative_tokens] * len(batch)
+        wanted = self.lengths.lengths(batch, self.drafter.catch_up_lag)
         return [max(0, min(g, self._room(s))) for g, s in zip(wanted, batch)]
 
     def _launch(self, batch: list[Sequence], guided: GuidedDraft, walk: RoundWalk | None, draft_s: float,
-                catch_up_s: float, ahead_of: _Launched | None = None) -> _Launched:
+                catch_up_s: float, carry: Carry | None = None) -> Launched:
         """One target forward over [last committed token, drafts] of every sequence, then the rule, with
         the step's one device-to-host readback started: in one graph where the runner has it for the
         step (ModelRunner.launch_verify), else the forward and then the rule, read back at once.
-        ahead_of: the step before, not yet read back; its rows' last committed token (the token it
-        emits) and first position follow from it, the token staying on the device."""
+        carry: launched ahead of the step before (ahead.py), whose emitted tokens stay on the device."""
         drafts = guided.drafts
         with Stopwatch() as phase:
-            starts, last, carry = [s.num_computed for s in batch], [s.last_id for s in batch], None
-            if ahead_of is not None:
-                before = {id(s): i for i, s in enumerate(ahead_of.batch)}
-                pairs = [(b, before[id(s)]) for b, s in enumerate(batch) if id(s) in before]
-                for b, i in pairs:
-                    starts[b] = ahead_of.starts[i] + len(ahead_of.inputs[i])
-                    last[b] = 0                                 # a placeholder: the token is on the device
-                carry = (ahead_of.readback.first_tokens, pairs)
+            starts, last = [s.num_computed for s in batch], [s.last_id for s in batch]
+            if carry is not None:
+                carry.place(starts, last)
             inputs = [[t] + drafts.tokens(b) for b, t in enumerate(last)]
             slots = [s.slot for s in batch]
             uniforms = (None if all(s.params.is_greedy for s in batch)
@@ -461,20 +436,19 @@ class SpecEngine:
             step = VerifyStep(drafts.proposals, [s.params for s in batch], uniforms, allowed, drafts.draft_probs,
                               drafts.parents, [(s.prompt_ids, s.output_ids) for s in batch] if penalties else None,
                               slots if penalties else None)
-            readback = self.target.launch_verify(slots, starts, inputs, step, carry)
+            readback = self.target.launch_verify(slots, starts, inputs, step,
+                                                 carry.on_device() if carry is not None else None)
             out = None
             if readback is None:
-                if carry is not None:           # no graph takes this step: the tokens carried are read first
-                    emitted = ahead_of.readback.result().output_ids
-                    for b, i in carry[1]:
-                        inputs[b][0] = emitted[i][0]
+                if carry is not None:
+                    carry.fill(inputs)
                 drafts = drafts.to(self.target.device)     # the graph takes them from the step's host data
                 logits = self.target.forward(slots, starts, inputs, parents=drafts.parents)
                 allowed = None if allowed is None else allowed.to(logits.device)
                 out = self._verify_rule(batch, drafts, logits, inputs, allowed, uniforms).to_host()
-        return _Launched(batch, guided, walk, starts, inputs, draft_s, catch_up_s, phase.s, readback, out)
+        return Launched(batch, guided, walk, starts, inputs, draft_s, catch_up_s, phase.s, readback, out)
 
-    def _finish(self, step: _Launched) -> tuple[HostVerifyOutput, float]:
+    def _finish(self, step: Launched) -> tuple[HostVerifyOutput, float]:
         """The step's verifier output, read back (the step's one device-to-host wait), and a tree's accepted
         paths' KV moved next to the committed tokens. Returns it and the verify phase's seconds (the
         launch and this wait)."""
@@ -484,34 +458,6 @@ class SpecEngine:
                 self.target.move_path([s.slot for s in step.batch], step.starts,
                                       [[i + 1 for i in path[:k]] for path, k in zip(out.path, out.num_accepted)])
         return out, step.launch_s + wait.s
-
-    def _may_run_ahead(self, step: _Launched) -> bool:
-        """Whether the next step may be launched before this one is read back: steps run ahead, this one
-        ran in a graph and proposes nothing (so it emits one token per row, on the device), and no row
-        needs its tokens on the host first (a grammar's mask, penalty counts) or ends by its length here."""
-        graphs = self.target.graphs
-        if not (self.run_ahead and step.readback is not None and graphs.enabled and graphs.tails_enabled
-                and self.drafter.kind == "none" and not any(step.guided.drafts.num_draft)):
-            return False
-        room = self.config.max_model_len
-        return all(self._plain(s) and s.params.max_tokens - len(s.output_ids) >= 2 and room - s.num_tokens >= 2
-                   for s in step.batch)
-
-    @staticmethod
-    def _plain(seq: Sequence) -> bool:
-        """A row whose next step needs nothing of its last token on the host."""
-        return seq.guide is None and not seq.params.has_penalties
-
-    def _launch_ahead(self, step: _Launched) -> _Launched | None:
-        """The next step, launched while `step` runs: free slots admitted (their prompts' chunks queued
-        behind it), then every running row, `step`'s taking its emitted token from the device. None where
-        a newly admitted row needs its grammar or penalties (the next step then runs after this one's
-        commit)."""
-        self._admit()
-        batch = list(self.scheduler.running)
-        if not all(self._plain(s) for s in batch):
-            return None
-        return self._launch(batch, *self._draft(batch), ahead_of=step)
 
     def _verify_rule(self, batch: list[Sequence], drafts: DraftBatch, logits: torch.Tensor,
                      inputs: list[list[int]], allowed: torch.Tensor | None = None,
@@ -539,50 +485,69 @@ class SpecEngine:
             sample.append(u[g:])
         return torch.cat(accept), torch.cat(sample)
 
-    def _commit(self, step: _Launched, out: HostVerifyOutput, verify_s: float) -> tuple[list[RoundRecord],
-                                                                                     list[Sequence]]:
-        """Commit accepted + recovered/bonus tokens up to any stop; roll KV lengths back (the
-        target's here, the drafter's in on_commit) and grammar walks to the committed tokens. A row that
-        ended in the step before (this step ran ahead of its readback) commits nothing. Returns the
-        round records and the rows that committed."""
-        batch, guided, walk, draft_s = step.batch, step.guided, step.walk, step.draft_s
-        rounds, drafts, alive = [], guided.drafts, []
-        is_accepted, cu = out.is_accepted, [0, *itertools.accumulate(drafts.num_draft)]
-        for b, seq in enumerate(batch):
+    def _commit(self, step: Launched, out: HostVerifyOutput, verify_s: float) -> tuple[list[RoundRecord],
+                                                                                    list[Sequence]]:
+        """Each row's accepted + recovered/bonus tokens committed up to any stop, its KV length and
+        grammar walk rolled back to them (the drafter's in on_commit), the length policy told what was
+        accepted, the round recorded. A row that ended in the step before (this step ran ahead of its
+        readback) commits nothing. Returns the round records and the rows that committed."""
+        rounds, alive, cu = [], [], [0, *itertools.accumulate(step.guided.drafts.num_draft)]
+        for b, seq in enumerate(step.batch):
             if seq.is_finished:
                 continue
             alive.append(seq)
-            g, k = drafts.num_draft[b], out.num_accepted[b]
-            tokens = out.output_ids[b][:k + 1]
-            with self._grammar_time:
-                may_stop = walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
-            emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
-            computed = step.starts[b] + len(step.inputs[b])
-            seq.num_computed = min(computed, seq.num_tokens - 1)          # rollback = a length
-            mask = is_accepted[cu[b]:cu[b + 1]]
-            ahead, drafted = guided.num_forced_ahead[b], guided.num_drafted[b]
-            forced_rows = [i for i in range(g) if i < ahead or i >= ahead + drafted]
-            forced_accepted = sum(1 for i in forced_rows if i < k)            # as `accepted` counts them
-            if drafts.is_tree:          # a rejection: the accepted path ends where the tree goes on
-                rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
-                drafted_accepted = max(0, k - ahead)        # below the forced tokens ahead
-                self.policy.update(seq, drafted_accepted + int(rejected), drafted_accepted)
-            else:
-                rejected = k < g
-                self.policy.update(seq, drafted, max(0, min(k - ahead, drafted)))
-            if drafts.plans is not None:
-                self.policy.observe_tree(drafts.plans[b].probs, drafts.plans[b].parents, k)
-            seq.num_forced += sum(1 for i in forced_rows if i < min(k, emitted))   # committed ones
-            paths = num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0)
-            rounds.append(RoundRecord(
-                request_id=seq.request_id, round=seq.num_rounds, draft_len=g, accepted=k, emitted=emitted,
-                accepted_mask=mask, batch_size=len(batch), draft_s=draft_s, verify_s=verify_s, step=self.num_steps,
-                forced=len(forced_rows), forced_accepted=forced_accepted, paths=paths, rejected=rejected))
-            seq.num_rounds += 1
-            seq.num_draft_tokens += g
-            seq.num_accepted += k
+            emitted = self._commit_tokens(step, out, b, seq)
+            rejected = self._observe_acceptance(step, out, b, seq)
+            rounds.append(self._record(step, out, b, seq, emitted, out.is_accepted[cu[b]:cu[b + 1]], rejected,
+                                       verify_s))
         self.drafter.on_commit(alive)
         return rounds, alive
+
+    def _commit_tokens(self, step: Launched, out: HostVerifyOutput, b: int, seq: Sequence) -> int:
+        """Row b's tokens committed (the grammar walk settled on them), its KV length rolled back to the
+        committed history. Returns how many were committed before any stop."""
+        k = out.num_accepted[b]
+        tokens = out.output_ids[b][:k + 1]
+        with self._grammar_time:
+            may_stop = step.walk.settle(b, tokens[:k], tokens[-1]) if seq.guide is not None else None
+        emitted = seq.commit(tokens, self.eos_token_ids, self.config.max_model_len, self.decode, may_stop)
+        seq.num_computed = min(step.starts[b] + len(step.inputs[b]), seq.num_tokens - 1)   # rollback = a length
+        return emitted
+
+    def _observe_acceptance(self, step: Launched, out: HostVerifyOutput, b: int, seq: Sequence) -> bool:
+        """The length policy told row b's drafted and accepted tokens (the grammar's forced ones left
+        out); returns whether a draft token was rejected (a tree: the accepted path ends where the tree
+        goes on)."""
+        guided, drafts, k = step.guided, step.guided.drafts, out.num_accepted[b]
+        ahead, drafted = guided.num_forced_ahead[b], guided.num_drafted[b]
+        if drafts.is_tree:
+            rejected = bool(children(drafts.parents[b])[(out.path[b][k - 1] if k else -1) + 1])
+            drafted_accepted = max(0, k - ahead)        # below the forced tokens ahead
+            self.lengths.update(seq, drafted_accepted + int(rejected), drafted_accepted)
+        else:
+            rejected = k < drafts.num_draft[b]
+            self.lengths.update(seq, drafted, max(0, min(k - ahead, drafted)))
+        if drafts.plans is not None:
+            self.lengths.observe_tree(drafts.plans[b].probs, drafts.plans[b].parents, k)
+        return rejected
+
+    def _record(self, step: Launched, out: HostVerifyOutput, b: int, seq: Sequence, emitted: int,
+                mask, rejected: bool, verify_s: float) -> RoundRecord:
+        """Row b's round record (mask: its drafts' accepted flags), and its counts (rounds, drafted,
+        accepted, forced tokens committed)."""
+        drafts, g, k = step.guided.drafts, step.guided.drafts.num_draft[b], out.num_accepted[b]
+        forced = step.guided.forced_rows(b)
+        record = RoundRecord(
+            request_id=seq.request_id, round=seq.num_rounds, draft_len=g, accepted=k, emitted=emitted,
+            accepted_mask=mask, batch_size=len(step.batch), draft_s=step.draft_s,
+            verify_s=verify_s, step=self.num_steps, forced=len(forced),
+            forced_accepted=sum(1 for i in forced if i < k),              # as `accepted` counts them
+            paths=num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0), rejected=rejected)
+        seq.num_forced += sum(1 for i in forced if i < min(k, emitted))   # committed ones
+        seq.num_rounds += 1
+        seq.num_draft_tokens += g
+        seq.num_accepted += k
+        return record
 
     def _emit(self, batch: list[Sequence]) -> list[Completion]:
         """Free the slots of finished sequences (in the scheduler and the drafter); their completions."""

@@ -278,7 +278,7 @@ def probe_draws(engine, record) -> None:
     a position's existence depend on its own draw). The drafter's indexes are synced with the
     committed tokens before the proposal, so both proposals read one index state (a sequence admitted
     this step would otherwise join the worker-wide index between them). record(seq, same) counts."""
-    propose, sized, policy = engine.drafter.propose, engine._size_trees, engine.policy
+    propose, sized, policy = engine.drafter.propose, engine.lengths.size_trees, engine.lengths.policy
     tree_sizes, forget, asked, kept = policy.tree_sizes, policy.forget_trees, {}, []
     seeds = itertools.count(1 << 40)                        # the other draws' generators: reruns reproduce
 
@@ -301,7 +301,7 @@ def probe_draws(engine, record) -> None:
                     record(seq, other == own)
         return out
     policy.tree_sizes = lambda *args: kept.append(tree_sizes(*args)) or kept[-1]
-    engine.drafter.propose, engine._size_trees = proposing, sizing
+    engine.drafter.propose, engine.lengths.size_trees = proposing, sizing
 
 
 def run(engine, plan: dict[Row, int], greedy_prompts) -> dict[Row, RowResult]:

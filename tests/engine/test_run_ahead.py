@@ -1,5 +1,5 @@
 """Steps run ahead (engine.run_ahead): a step without drafts launches the next one before it is read back,
-each row's next input taken from the device (SpecEngine._launch_ahead). The committed tokens must be those
+each row's next input taken from the device (pipeline/engine/ahead.py). The committed tokens must be those
 of the engine that waits: the same greedy tokens, the same samples seed for seed (a row's uniforms are
 drawn in the same order), the same stops, through admissions, EOS and stop strings that the host learns a
 step late (the step run ahead for such a row is dropped), max_tokens (never run past), and the fallback

@@ -86,7 +86,7 @@ def test_adaptive_tree_sizes_keep_identity(target_model, prompts, references):
     rounds, _ = run_checked(engine, target_model, prompts, references)
     sizes = {r.draft_len for r in rounds}
     assert len(sizes) > 2, f"adaptive sizing chose only {sizes}"
-    assert engine.policy.tree_calibration, "tree rounds were observed"
+    assert engine.lengths.policy.tree_calibration, "tree rounds were observed"
 
 
 def test_no_lookup_where_no_tree_could_pay(target_model, prompts, references):
@@ -114,8 +114,8 @@ def test_refused_trees_are_retried(target_model, prompts, references):
     engine = make_engine(target_model, "ngram", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
     engine.costs.verify_curve = [(1, 1.0), (64, 7.3)]           # V(T) = 1 + 0.1 (T - 1)
     for _ in range(2):           # c_1 = 1 / (1.98 + 2) ~ 0.25: at batch 4 a token pays above 0.4 / 1.3 ~ 0.31
-        engine.policy.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
-    assert not engine.policy.tree_may_pay(4, TREE.max_tokens)
+        engine.lengths.policy.observe_tree([1.0] * 4, [-1, 0, 1, 2], 0)
+    assert not engine.lengths.policy.tree_may_pay(4, TREE.max_tokens)
     asked = []
     lookup = engine.drafter.lookup_tree
     engine.drafter.lookup_tree = lambda seq, size, *rest: (
@@ -133,13 +133,13 @@ def test_refused_offers_fade_the_calibration(target_model, prompts, references):
     that keeps a token forgets nothing."""
     engine = make_engine(target_model, "ngram", max_num_seqs=4, max_model_len=128, g=4, tree=TREE, adaptive=True)
     engine.costs.verify_curve = [(1, 1.0), (64, 1.0)]           # weight-bound: every lookup is made
-    sizes = engine.policy.tree_sizes
+    sizes = engine.lengths.policy.tree_sizes
     refuse = {"on": True}
-    engine.policy.tree_sizes = lambda scores, parents: (
+    engine.lengths.policy.tree_sizes = lambda scores, parents: (
         [0] * len(scores) if refuse["on"] else sizes(scores, parents))
     forgot = []
-    forget = engine.policy.forget_trees
-    engine.policy.forget_trees = lambda *a: forgot.append(engine.num_steps) or forget(*a)
+    forget = engine.lengths.policy.forget_trees
+    engine.lengths.policy.forget_trees = lambda *a: forgot.append(engine.num_steps) or forget(*a)
     done, rounds = run_requests(engine, prompts[:4], SamplingParams(max_tokens=MAX_NEW, temperature=0))
     assert [done[str(i)].output_ids for i in range(4)] == references[:4]
     assert all(r.draft_len == 0 for r in rounds)

@@ -37,6 +37,11 @@ class GuidedDraft:
     def num_forced(self, b: int) -> int:
         return self.num_forced_ahead[b] + self.num_forced_after[b]
 
+    def forced_rows(self, b: int) -> list[int]:
+        """Sequence b's proposal positions that hold forced tokens (ahead of and after its drafted ones)."""
+        ahead, drafted = self.num_forced_ahead[b], self.num_drafted[b]
+        return [i for i in range(self.drafts.num_draft[b]) if i < ahead or i >= ahead + drafted]
+
 
 def propose_guided(drafter: Drafter, seqs: list[Sequence], lengths: list[int], room: list[int],
                    generators: list[torch.Generator], walk: RoundWalk, forced_tokens: bool,

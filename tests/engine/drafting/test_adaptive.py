@@ -350,7 +350,7 @@ def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model
     _force(engine, MILD_VERIFY, HALF_FORWARD_DRAFT)
     prompts = mixed_prompts(6, target_model.config.vocab_size, seed=23)
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
-    assert engine.policy.has_evidence
+    assert engine.lengths.policy.has_evidence
     drafted = sum(r.draft_len for r in rounds)
     if good:
         assert sum(r.accepted for r in rounds) == drafted
@@ -358,7 +358,7 @@ def test_adaptive_engine_explores_a_draft_its_prior_would_never_try(target_model
         # everyone drafts now, but in each sequence's last round (max_tokens caps g at 0)
         assert late and sum(r.draft_len == 0 for r in late) <= 2
     else:
-        assert engine.policy.evidence_tokens <= drafted <= engine.policy.evidence_tokens + 2 * 4
+        assert engine.lengths.policy.evidence_tokens <= drafted <= engine.lengths.policy.evidence_tokens + 2 * 4
     for i, prompt in enumerate(prompts):
         assert done[str(i)].output_ids == greedy_reference(target_model, prompt, 24)
 

@@ -348,18 +348,18 @@ def test_adaptive_sampled_trees_are_sized_by_their_one_hot_twin(target_model):
     shape = TreeParams(max_tokens=4, max_branches=2, sampled=True)
     engine = make_engine(target_model, "suffix", max_num_seqs=1, max_model_len=64, adaptive=True, tree=shape)
     engine.costs.verify_curve = [(1, 1.0), (2, 1.6), (3, 1.6), (4, 1.7)]
-    engine.policy.tree_prior = 0.5
+    engine.lengths.policy.tree_prior = 0.5
     law = {}
     for u, chance in ((0.1, 0.75), (0.9, 0.25)):              # the root's first draw: a, then b
         tree = grow_tree((), lambda s: index.get(s, []), 3, 4, 2, 0.1, uniforms=iter([u, 0.5, 0.5, 0.5]))
         assert tree.plan.tokens == [a, c, b] and tree.plan.probs == [0.75, 0.75, 0.25]
         found = DraftBatch.from_lists([tree.tokens], "cpu", SparseProbs.from_lists([tree.q], "cpu"),
                                       [tree.parents], [tree.plan])
-        kept = engine._size_trees(found)
+        kept = engine.lengths.size_trees(found)
         assert kept.num_draft == [3] and kept.proposals[0] == tree.tokens[:3]
         kids = [(tree.tokens[i], dict(zip(*tree.q[i]))) for i in children(tree.parents)[0]]
         for token, prob in first_token_law(kids, {a: 0.5, b: 0.5}).items():
             law[token] = law.get(token, 0.0) + chance * prob
-        drawn = engine.policy.tree_sizes([tree.probs], [tree.parents])      # the biased rule's size
+        drawn = engine.lengths.policy.tree_sizes([tree.probs], [tree.parents])      # the biased rule's size
         assert drawn == ([3] if tree.tokens[0] == a else [0])
     assert law[a] == pytest.approx(0.5) and law[b] == pytest.approx(0.5)
