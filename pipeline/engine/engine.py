@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -161,8 +161,8 @@ class SpecEngine:
                  eos_token_ids: list[int] = (), decode: Callable[[list[int]], str] | None = None,
                  drafting: DraftingConfig | None = None, grammars: Grammars | None = None):
         config = config or EngineConfig()
-        if config.max_num_seqs == AUTO:       # as the target's runner resolved it (model/slots.py)
-            config = replace(config, max_num_seqs=target.num_slots)
+        if config.max_num_seqs == AUTO:
+            config = target.sized(config)
         self.config = config
         self.drafting = drafting or DraftingConfig()
         self.target = target

@@ -6,7 +6,7 @@ itself knows nothing about configs, files or tokenisers.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDrafter, Kernels, ModelRunner,
                       NgramDrafter, SpecEngine, SuffixDrafter, TreeParams)
@@ -97,7 +97,7 @@ def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineC
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))
     runner = ModelRunner(target, engine_cfg, kernels, beside=(draft,) if draft is not None else ())
-    engine_cfg = replace(engine_cfg, max_num_seqs=runner.num_slots)
+    engine_cfg = runner.sized(engine_cfg)
     drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     if drafting.free_method is not None:
         free = free_drafter(drafting, drafting.free_method, runner.device)

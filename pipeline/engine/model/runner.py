@@ -112,6 +112,11 @@ class ModelRunner:
         if measure:
             self._fit_slots()
 
+    def sized(self, config: EngineConfig) -> EngineConfig:
+        """`config` with engine.max_num_seqs as this runner resolved it (auto: the slots it kept): the one
+        answer the engine and a draft model's runner follow."""
+        return config if config.max_num_seqs == self.num_slots else replace(config, max_num_seqs=self.num_slots)
+
     def _fit_slots(self, repeats: int = 3) -> None:
         """Keep the fewest slots that reach KNEE_SHARE of the best plain-decoding tokens/s measured on
         this runner (slots.py): steps of 1, 2, 4, ... rows of one token at measuring_context, up to the slots
