@@ -10,71 +10,48 @@ at this step; a row that ends by EOS or a stop drops the step launched for it.
 On CPU (no graphs, or engine.run_ahead off) `RunAhead` does nothing: every step is launched after the
 previous one's commit.
 
-Knows the engine's launch and admission (it calls them), nothing of drafting or verification.
+Knows the round's admit, draft and launch as functions it is given; nothing of drafting or verification.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from .config import AUTO
-
-if TYPE_CHECKING:
-    from .core.request import Sequence
-    from .engine import Launched, SpecEngine
-
-
-@dataclass
-class Carry:
-    """The rows a step shares with `before`, the step launched just ahead of it and not yet read back:
-    their last committed token is the one `before` emits, still on the device."""
-    before: "Launched"
-    pairs: list[tuple[int, int]]       # (row in this step, row in `before`)
-
-    def place(self, starts: list[int], last: list[int]) -> None:
-        """Each carried row's first position follows `before`'s inputs; its token is a placeholder."""
-        for b, i in self.pairs:
-            starts[b] = self.before.starts[i] + len(self.before.inputs[i])
-            last[b] = 0
-
-    def on_device(self) -> tuple:
-        """What a graph takes the carried tokens from: (`before`'s first tokens on the device, pairs)."""
-        return self.before.readback.first_tokens, self.pairs
-
-    def fill(self, inputs: list[list[int]]) -> None:
-        """No graph takes this step: the carried tokens are read back first and put in the inputs."""
-        emitted = self.before.readback.result().output_ids
-        for b, i in self.pairs:
-            inputs[b][0] = emitted[i][0]
+from .core.request import Sequence
+from .launch import Carry, Launched
 
 
 class RunAhead:
     """The step launched ahead of the current one's readback, if any."""
 
-    def __init__(self, engine: "SpecEngine"):
-        self.engine = engine
-        self.enabled = self._policy()
+    def __init__(self, target, mode: str, max_model_len: int, drafter_kind: str, admit: Callable[[], None],
+                 running: Callable[[], list[Sequence]], draft: Callable, launch: Callable[..., Launched]):
+        """target: the target's runner; mode: engine.run_ahead; admit, running, draft, launch: the round's
+        own stages (SpecEngine._admit, the running rows, _draft, _launch)."""
+        self.target, self.max_model_len, self.drafter_kind = target, max_model_len, drafter_kind
+        self.admit, self.running, self.draft, self.launch = admit, running, draft, launch
+        self.enabled = self._policy(mode)
         self.num_steps = 0                  # steps launched before the previous one was read back
         self.pending: Launched | None = None
 
-    def _policy(self) -> bool:
+    def _policy(self, mode: str) -> bool:
         """engine.run_ahead: auto where the target's verify steps run in captured graphs; on where they run
         in its step graphs, captured or not."""
-        target, mode = self.engine.target, self.engine.config.run_ahead
+        target = self.target
         possible = target.graphs is not None and target.kernels.graph_verify
         if mode == "on" and not possible:
             raise ValueError("engine.run_ahead=on: the target's verify steps do not run in step graphs "
                              "(engine.cuda_graphs off or unavailable); set engine.run_ahead to auto or off")
         return possible and (mode == "on" or (mode == AUTO and target.graphs.capture is not None))
 
-    def take(self) -> "Launched | None":
+    def take(self) -> Launched | None:
         """The step launched during the previous one, which this step reads back."""
         step, self.pending = self.pending, None
         if step is not None:
             self.num_steps += 1
         return step
 
-    def launch_after(self, step: "Launched") -> None:
+    def launch_after(self, step: Launched) -> None:
         """Launch the next step now, before `step` is read back, where that is allowed."""
         if self.enabled and self._may_follow(step):
             self.pending = self._launch_next(step)
@@ -84,32 +61,28 @@ class RunAhead:
         if self.pending is not None and all(s.is_finished for s in self.pending.batch):
             self.pending = None
 
-    def _may_follow(self, step: "Launched") -> bool:
+    def _may_follow(self, step: Launched) -> bool:
         """`step` ran in a graph and proposes nothing (one token per row, on the device), and no row needs
         its tokens on the host first or ends by its length here."""
-        engine = self.engine
-        graphs = engine.target.graphs
+        graphs = self.target.graphs
         if not (step.readback is not None and graphs.enabled and graphs.tails_enabled
-                and engine.drafter.kind == "none" and not any(step.guided.drafts.num_draft)):
+                and self.drafter_kind == "none" and not any(step.guided.drafts.num_draft)):
             return False
-        room = engine.config.max_model_len
+        room = self.max_model_len
         return all(plain(s) and s.params.max_tokens - len(s.output_ids) >= 2 and room - s.num_tokens >= 2
                    for s in step.batch)
 
-    def _launch_next(self, step: "Launched") -> "Launched | None":
+    def _launch_next(self, step: Launched) -> Launched | None:
         """Free slots admitted (their prompts' chunks queued behind `step`), then every running row, those
         of `step` taking its emitted token from the device. None where a newly admitted row needs its
         grammar or penalties (the next step then runs after this one's commit)."""
-        engine = self.engine
-        engine._admit()
-        batch = list(engine.scheduler.running)
+        self.admit()
+        batch = self.running()
         if not all(plain(s) for s in batch):
             return None
-        before = {id(s): i for i, s in enumerate(step.batch)}
-        carry = Carry(step, [(b, before[id(s)]) for b, s in enumerate(batch) if id(s) in before])
-        return engine._launch(batch, *engine._draft(batch), carry=carry)
+        return self.launch(batch, *self.draft(batch), carry=Carry.of(batch, step))
 
 
-def plain(seq: "Sequence") -> bool:
+def plain(seq: Sequence) -> bool:
     """A row whose next step needs nothing of its last token on the host."""
     return seq.guide is None and not seq.params.has_penalties

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from .ahead import Carry, RunAhead
+from .ahead import RunAhead
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
@@ -47,13 +47,14 @@ from .core.scheduler import Scheduler
 from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
-from .core.verify_step import Readback, VerifyStep
+from .core.verify_step import VerifyStep
 from .drafting.adaptive import CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
 from .drafting.lengths import draft_lengths
 from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
+from .launch import Carry, Launched
 from .model.prefill import forward_history
 from .model.runner import ModelRunner
 from .model.slots import measuring_context
@@ -112,22 +113,6 @@ class StepOutput:
 class _SeqRng:
     draft: torch.Generator
     verify: torch.Generator
-
-
-@dataclass
-class Launched:
-    """A step launched on the target: its rows, their drafts, each row's first position and inputs, and
-    its readback (None where the verifier ran after an eager forward: its output is `out`)."""
-    batch: list[Sequence]
-    guided: GuidedDraft
-    walk: RoundWalk | None
-    starts: list[int]
-    inputs: list[list[int]]
-    draft_s: float
-    catch_up_s: float
-    launch_s: float
-    readback: Readback | None = None
-    out: HostVerifyOutput | None = None
 
 
 def seq_generators(seed: int, request_id: str) -> _SeqRng:
@@ -194,7 +179,9 @@ class SpecEngine:
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
-        self.ahead = RunAhead(self)
+        self.ahead = RunAhead(target, self.config.run_ahead, self.config.max_model_len, self.drafter.kind,
+                              admit=self._admit, running=lambda: list(self.scheduler.running),
+                              draft=self._draft, launch=self._launch)
 
     @property
     def run_ahead(self) -> bool:
