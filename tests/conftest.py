@@ -60,8 +60,13 @@ def pytest_addoption(parser):
                           "covering array (pairs, the default) or the whole product (full)")
 
 
+COLLECTED = pytest.StashKey[list]()      # every test collected, before -m / -k deselect any (test_tiers.py)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Markers gpu, avx512_bf16, amx_bf16 and needs_cc skip with the reason in the skip summary (-ra)."""
+    config.stash[COLLECTED] = list(items)
     reasons = {m: _missing(m) for m in ("gpu", "avx512_bf16", "amx_bf16", "needs_cc")}
     for item in items:
         for marker, reason in reasons.items():
@@ -93,6 +98,13 @@ def pytest_unconfigure(config):
 
 
 DRAFTERS = ["none", "ngram", "suffix", "draft-greedy", "draft-prob", "hybrid"]
+
+
+def tiers(values, fast) -> list:
+    """A slow grid's parameter values: those in `fast` run in the fast tier too (`-m "not slow"`), the
+    rest only in the whole suite."""
+    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
 
 
 def tiny_llama(vocab: int = 512, seed: int = 0, init_range: float = 0.7, layers: int = 2,

@@ -51,6 +51,22 @@ def chi2_pvalue(counts: dict, exact: dict, n: int, min_expected: float = 5.0) ->
     return _chisquare(observed, expected, n)
 
 
+def detectable_shift(exact: dict, n: int, alpha: float, power: float = 0.9, min_expected: float = 5.0) -> float:
+    """The power analysis a statistical test states: the smallest share of the most likely outcome's
+    probability that, moved to the second most likely one, chi2_pvalue's test over n samples rejects
+    with probability `power` at `alpha` (noncentral chi-square over the same pooled bins)."""
+    probs = sorted((p for p in exact.values() if p > 0), reverse=True)
+    bins = sum(p * n >= min_expected for p in probs) + any(p * n < min_expected for p in probs)
+    df = max(bins - 1, 1)
+    critical = stats.chi2.isf(alpha, df)
+    lo, hi = 0.0, 1e6                                 # the noncentrality reaching `power`
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if stats.ncx2.sf(critical, df, mid) < power else (lo, mid)
+    delta = np.sqrt(hi / (n * (1 / probs[0] + 1 / probs[1])))
+    return float(delta / probs[0])
+
+
 def _chisquare(observed: list, expected: list, n: int) -> float:
     """scipy's chi-square p-value, the expected counts scaled to sum to n (rounding aside, they do)."""
     return float(stats.chisquare(observed, np.array(expected) * (n / sum(expected))).pvalue)

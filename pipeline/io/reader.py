@@ -31,7 +31,7 @@ INPUT_FORMATS = ("auto", "parquet", "jsonl", "arrow")
 
 @dataclass
 class InputConfig:
-    path: str = "data/demo_prompts.jsonl"   # file, folder or glob on any fsspec URL (local, s3://, memory://)
+    path: str = "data/demo"                 # file, folder or glob on any fsspec URL (local, s3://, memory://)
     format: str = "auto"                    # auto (from the extension) | parquet | jsonl | arrow
                                             # (a `datasets` save_to_disk folder is found automatically)
     prompt_column: str = "prompt"           # a plain string prompt (chat template applied)

@@ -23,7 +23,6 @@ from pipeline_util import job_config, job_overrides, prompt_rows, read_run, writ
 from pipeline_util import check_exactly_once, shards
 from s3_util import moto_endpoint, s3  # noqa: F401 -- fixtures
 
-pytestmark = pytest.mark.slow
 VERDICT_S = 120          # a fault must end in a verdict this fast: well under 2 minutes
 
 
@@ -75,6 +74,7 @@ def _worker_nodes(head) -> set[str]:
     return {a.node_id for a in actors}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spare", [False, True], ids=["no-spare-capacity", "spare-capacity"])
 def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
     """Two 1-CPU nodes; a node holding a worker is lost mid-run (SIGKILL of its raylet).
@@ -113,6 +113,7 @@ def test_lost_node(spare, small_head, tiny_model_dir, tmp_path):
 
 
 # ---- supervision deadlines (in-process, shared head) ------------------------------------------------
+@pytest.mark.slow
 def test_hung_worker_is_replaced(tiny_model_dir, ray_head, tmp_path):
     ids = shards(tmp_path / "in", files=1, rows=8)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
@@ -124,6 +125,7 @@ def test_hung_worker_is_replaced(tiny_model_dir, ray_head, tmp_path):
     assert {c["worker"] for c in run["completions"]} == {"w0.1"}
 
 
+@pytest.mark.slow
 def test_hung_load_and_unplaceable_worker_end_in_a_named_verdict(tiny_model_dir, ray_head, tmp_path):
     shards(tmp_path / "in", files=1, rows=4)
     base = (tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
@@ -138,6 +140,7 @@ def test_hung_load_and_unplaceable_worker_end_in_a_named_verdict(tiny_model_dir,
     assert time.time() - t0 < 90
 
 
+@pytest.mark.slow
 def test_a_worker_slow_to_start_is_not_taken_for_missing_capacity(tiny_model_dir, ray_head, tmp_path):
     """Its resources are reserved at once, its process answers only after 8 s (a loaded node): with
     a placement timeout of 2 s the job still runs on it, since placement and start are separate."""
@@ -185,6 +188,7 @@ def _s3_ids(fs) -> list[str]:
     return got
 
 
+@pytest.mark.slow
 def test_s3_failing_15_percent_of_requests(s3_faulty, tiny_model_dir, ray_head, tmp_path):
     """503 or connection reset on 15% of all requests (seeded): exactly once, exit 0."""
     fs, proxy = s3_faulty
@@ -196,6 +200,7 @@ def test_s3_failing_15_percent_of_requests(s3_faulty, tiny_model_dir, ray_head, 
     assert sorted(_s3_ids(fs)) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_model_dir, ray_head, tmp_path):
     fs, proxy = s3_faulty
     ids = _s3_shards(fs, n=16)
@@ -225,6 +230,7 @@ def test_s3_outage_mid_run_names_the_cause_then_rerun_completes(s3_faulty, tiny_
 
 
 # ---- a full disk ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_model_dir, ray_head, tmp_path):
     ids = shards(tmp_path / "in", files=2, rows=10)
     with small_disk(8) as disk:
@@ -251,6 +257,7 @@ def test_full_output_disk_names_the_cause_leaves_no_torn_marker_then_rerun(tiny_
 
 
 # ---- two drivers, signals ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_driver_on_a_live_run_is_refused(tiny_model_dir, ray_head, tmp_path):
     """The first driver is held before it hands out any unit (debug.hold_dispatch_file) while the
     second tries, so it is provably live however slow the machine; released, it finishes."""
@@ -287,6 +294,7 @@ def _ray_daemons(started_by: int) -> set[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path):
     """The job's own local Ray (no cluster address), as the README demo runs it, with the default

@@ -16,7 +16,6 @@ from pipeline.io.reader import InputError
 from pipeline.io.writer import OutputError
 from pipeline_util import check_exactly_once, shards, job_config, job_overrides, manifest, prompt_rows, read_run, write_parquet
 
-pytestmark = pytest.mark.slow
 
 
 def test_end_to_end_several_files_and_workers(tiny_model_dir, ray_head, tmp_path):
@@ -46,6 +45,7 @@ def test_end_to_end_several_files_and_workers(tiny_model_dir, ray_head, tmp_path
     assert len(read_run(run_dir)["completions"]) == len(ids)
 
 
+@pytest.mark.slow
 def test_speculation_does_not_change_greedy_output(tiny_model_dir, ray_head, tmp_path):
     """The same job with no draft, n-gram drafts (proposals, mostly rejected on a random model) and a
     draft model (the target itself: every draft accepted) gives identical tokens (fp32 greedy)."""
@@ -65,6 +65,7 @@ def test_speculation_does_not_change_greedy_output(tiny_model_dir, ray_head, tmp
     assert out["draft"]["rounds"] < out["none"]["rounds"]
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_unit_job_completes_exactly_once(tiny_model_dir, ray_head, tmp_path):
     ids = shards(tmp_path / "in", files=2, rows=9)
     cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
@@ -77,6 +78,7 @@ def test_worker_killed_mid_unit_job_completes_exactly_once(tiny_model_dir, ray_h
     assert any(c["worker"] == "w0.1" for c in run["completions"])       # the replacement worked
 
 
+@pytest.mark.slow
 def test_crash_between_data_and_marker_then_rerun_commits_once(tiny_model_dir, ray_head, tmp_path):
     ids = shards(tmp_path / "in", files=1, rows=8)
     args = (tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}")
@@ -91,6 +93,7 @@ def test_crash_between_data_and_marker_then_rerun_commits_once(tiny_model_dir, r
     check_exactly_once(read_run(run_dir), ids)
 
 
+@pytest.mark.slow
 def test_driver_killed_then_rerun_skips_committed_units(tiny_model_dir, ray_head, tmp_path):
     ids = shards(tmp_path / "in", files=2, rows=10)
     overrides = [f"cluster.address={ray_head.address}", "sampling.max_tokens=24", "input.rows_per_unit=2",
@@ -118,6 +121,7 @@ def test_driver_killed_then_rerun_skips_committed_units(tiny_model_dir, ray_head
     assert reference["units_skipped"] == 0
 
 
+@pytest.mark.slow
 def test_bad_rows_become_error_records(tiny_model_dir, ray_head, tmp_path):
     long_prompt = "word " * 400                                        # > max_model_len 256 tokens
     rows = [
@@ -169,6 +173,7 @@ def test_bad_input_and_reused_run_id_fail_before_ray_work(tiny_model_dir, tmp_pa
         run_job(cfg)
 
 
+@pytest.mark.slow
 def test_structured_rows_write_valid_records_and_bad_formats_error_rows(tiny_model_dir, ray_head, tmp_path):
     """Per-row response_format (as a JSON object and as its text) through the real job: valid records
     parsed into `record`, a row cut by max_tokens is not valid, a format that does not compile or

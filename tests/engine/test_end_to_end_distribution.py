@@ -4,14 +4,17 @@ the engine matches exact enumeration of the target's probabilities (vocabulary 8
 N = 30,000 requests per case, each with its own generator (seeded from its id). Outcomes whose
 expected count is below 5 are pooled into one bin. We fail when the chi-square p-value is below
 ALPHA = 1e-5: a correct engine fails a case with probability 1e-5 (the seeds are fixed, so the
-outcome is also reproducible). A 1% error on the most likely outcomes is detected. The mutants (suffix
+outcome is also reproducible). Power (references.detectable_shift, 90%): the test rejects a law that
+moves 5% (plain), 6.6% (draft-greedy+filters), 8.7% (suffix cases), 12.2% (the other drafts) or 28.9%
+(suffix-own-sampled-tree, a flatter law) of the most likely continuation's probability to the second
+most likely one. The mutants (suffix
 drafts verified against a q other than the one they were sampled from; sampled tree siblings verified
 as if drawn with replacement) must fail the same test.
 """
 import pytest
 import torch
 
-from conftest import make_engine, sample_outputs
+from conftest import make_engine, sample_outputs, tiers
 from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.core.tree import is_chain
 from pipeline.engine.core.verify import SparseProbs
@@ -92,8 +95,7 @@ def run_case(models, kind, params, flex=False, wrong_q=False):
     return counts, accepted, drafted, spread[0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", tiers(list(CASES), {"hybrid-suffix-prob"}))
 def test_continuations_match_exact_target(enumerable_models, case):
     kind, params, *attention = CASES[case]
     counts, accepted, drafted, spread = run_case(enumerable_models, kind, params, flex=attention == ["flex"])

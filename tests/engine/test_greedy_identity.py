@@ -6,7 +6,7 @@ difference must sit on a numerical near-tie of the target's top-2 logits, or the
 import pytest
 
 from conftest import (DRAFTERS, greedy_references_fixture, make_engine, mixed_prompts_fixture, near_tie_mismatches,
-                      run_requests)
+                      run_requests, tiers)
 from pipeline.engine import SamplingParams
 
 NUM_PROMPTS, MAX_NEW = 50, 24
@@ -14,10 +14,11 @@ prompts = mixed_prompts_fixture(NUM_PROMPTS, seed=7)
 references = greedy_references_fixture(MAX_NEW)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-@pytest.mark.parametrize("kind", DRAFTERS)
-@pytest.mark.parametrize("attention", ["cpu", "modules", "sdpa", "flex"])
+GRID = [(attention, kind, batch_size) for attention in ("cpu", "modules", "sdpa", "flex") for kind in DRAFTERS
+        for batch_size in (1, 4, 16)]
+
+
+@pytest.mark.parametrize("attention,kind,batch_size", tiers(GRID, {("cpu", "hybrid", 4)}))
 def test_greedy_identity(target_model, draft_model, prompts, references, kind, batch_size, attention):
     engine = make_engine(target_model, kind, draft_model, max_num_seqs=batch_size, max_model_len=128, g=4,
                          compile="on" if attention == "flex" else "off",
