@@ -412,7 +412,7 @@ class RayHead:
         """SIGTERM to our `ray start --block` (it kills the processes it started); anything of our
         process group still alive afterwards is killed by pid."""
         import signal
-        terminate(self.proc)
+        terminate(self.proc, grace=10)              # then the group is killed: a test run's head, no data
         for pid in _process_group_members(self.proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -422,13 +422,13 @@ class RayHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it is still running after 60 s."""
+def terminate(proc: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it is still running after `grace` seconds."""
     import signal
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)

@@ -24,11 +24,12 @@ from .launch import Carry, Launched
 class RunAhead:
     """The step launched ahead of the current one's readback, if any."""
 
-    def __init__(self, target, mode: str, max_model_len: int, drafter_kind: str, admit: Callable[[], None],
+    def __init__(self, target, mode: str, max_model_len: int, drafter, admit: Callable[[], None],
                  running: Callable[[], list[Sequence]], draft: Callable, launch: Callable[..., Launched]):
-        """target: the target's runner; mode: engine.run_ahead; admit, running, draft, launch: the round's
-        own stages (SpecEngine._admit, the running rows, _draft, _launch)."""
-        self.target, self.max_model_len, self.drafter_kind = target, max_model_len, drafter_kind
+        """target: the target's runner; mode: engine.run_ahead; drafter: the engine's (only a step of the
+        `none` drafter runs ahead); admit, running, draft, launch: the round's own stages (SpecEngine._admit,
+        the running rows, _draft, _launch)."""
+        self.target, self.max_model_len, self.drafter = target, max_model_len, drafter
         self.admit, self.running, self.draft, self.launch = admit, running, draft, launch
         self.enabled = self._policy(mode)
         self.num_steps = 0                  # steps launched before the previous one was read back
@@ -66,7 +67,7 @@ class RunAhead:
         its tokens on the host first or ends by its length here."""
         graphs = self.target.graphs
         if not (step.readback is not None and graphs.enabled and graphs.tails_enabled
-                and self.drafter_kind == "none" and not any(step.guided.drafts.num_draft)):
+                and self.drafter.kind == "none" and not any(step.guided.drafts.num_draft)):
             return False
         room = self.max_model_len
         return all(plain(s) and s.params.max_tokens - len(s.output_ids) >= 2 and room - s.num_tokens >= 2

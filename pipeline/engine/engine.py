@@ -179,7 +179,7 @@ class SpecEngine:
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
         self.prefixes = PrefixIndex() if self.config.prefix_reuse else None
-        self.ahead = RunAhead(target, self.config.run_ahead, self.config.max_model_len, self.drafter.kind,
+        self.ahead = RunAhead(target, self.config.run_ahead, self.config.max_model_len, self.drafter,
                               admit=self._admit, running=lambda: list(self.scheduler.running),
                               draft=self._draft, launch=self._launch)
 

@@ -77,8 +77,8 @@ def test_help(helps, script):
     assert ("--tiny" in text) == (script in TINY), "a --tiny dry run belongs in TINY"
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("research.") else s
-                                    for s in TINY])
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("research.") or s == "gpu_bench"
+                                    else s for s in TINY])
 def test_tiny_dry_run(tmp_path, script):
     extra = ["--out", str(tmp_path / "out.json")] if script == "gpu_bench" else []
     proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *TINY[script], *extra], cwd=ROOT, env=_env(),

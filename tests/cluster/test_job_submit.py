@@ -6,6 +6,7 @@ submission and naming the key; a job over two Parquet shards committing every ro
 """
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import secrets
@@ -97,6 +98,7 @@ def test_job_api_requires_the_token(ray_head, tmp_path):
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
 
 
+@pytest.mark.slow
 def test_submitted_bad_config_fails_naming_the_key(ray_head, tiny_model_dir, tmp_path):
     src = write_parquet(tmp_path / "in" / "a.parquet", prompt_rows(4, "a"))
     out = tmp_path / "out"

@@ -174,10 +174,17 @@ def selected_cells(mode: str) -> list[Cell]:
     return [c for c in ALL_CELLS if tuple(sorted(c.factors().items())) in chosen]
 
 
+# the fast tier's cells (`-m "not slow"`): adaptive n-gram trees, and the hybrid of a drawing draft model and the
+# suffix index's drawn drafts under a grammar; every other cell runs in the whole suite
+FAST_CELLS = ("ngram-tree-adaptive-forced/free-plain-t1/batch-mixed",
+              "hybrid-suffix-q:drawn-lookup:drawn-path-fixed-forced/regex-plain-t07/batch-mixed")
+
+
 def pytest_generate_tests(metafunc):
     if "cell" in metafunc.fixturenames:
         cells = selected_cells(metafunc.config.getoption("--matrix"))
-        metafunc.parametrize("cell", cells, ids=[c.name for c in cells])
+        metafunc.parametrize("cell", [c if c.name in FAST_CELLS else pytest.param(c, marks=pytest.mark.slow)
+                                      for c in cells], ids=[c.name for c in cells])
 
 
 # ---- models, references -----------------------------------------------------------------------------
@@ -467,6 +474,7 @@ def assert_caught(c: Cell, models, grammars, reference, match: str) -> None:
         check_row(c, res, reference, [], FAMILY_ALPHA / M_FULL)
 
 
+@pytest.mark.slow
 def test_mutant_sizing_adaptive_trees_by_their_draws_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The bias: sampled trees sized by the estimates of the tokens they drew, not their one-hot twin's."""
     from pipeline.engine.drafting.trees import DraftTree
@@ -483,6 +491,7 @@ def test_mutant_residual_not_updated_between_siblings_is_caught(enumerable_model
                   grammars, reference, "p-value")
 
 
+@pytest.mark.slow
 def test_mutant_grammar_mask_on_p_but_not_on_dense_q_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The draft model draws from its q masked by the grammar but reports the unmasked q."""
     from pipeline.engine.core.sampling import bitmask_to_bool
@@ -504,6 +513,7 @@ def test_mutant_grammar_mask_on_p_but_not_on_dense_q_is_caught(enumerable_models
                   "p-value")
 
 
+@pytest.mark.slow
 def test_mutant_penalties_on_the_committed_history_only_is_caught(enumerable_models, grammars, reference, monkeypatch):
     """The verifier's p penalised for the committed tokens only, not the candidate prefix before it."""
     row_probs = engine_module.row_probs
@@ -513,6 +523,7 @@ def test_mutant_penalties_on_the_committed_history_only_is_caught(enumerable_mod
                   reference, "p-value")
 
 
+@pytest.mark.slow
 def test_mutant_draft_length_that_reads_the_drafted_token_is_caught(enumerable_models, grammars, reference,
                                                                     monkeypatch):
     """A draft cut before the first token it drew with q below 0.3 (its length read off the draw)."""

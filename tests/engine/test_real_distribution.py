@@ -186,6 +186,18 @@ def arms(smollm, prompts, eos, exact):
     return result
 
 
+def test_the_exact_reference_holds_most_of_the_law_and_bins_n_samples(exact):
+    """The fast tier's check of this file's reference (the arms below take minutes): per prompt the
+    enumerated outcomes and prefixes are probabilities (an outcome no likelier than its prefix), and the
+    bins the goodness-of-fit tests use partition the whole law, each expecting >= MIN_EXPECTED of N."""
+    for name, law in exact.items():
+        assert 0 < sum(law.outcomes.values()) <= 1 + 1e-9
+        assert all(p <= law.prefixes[out[:-1]] + 1e-12 for out, p in law.outcomes.items() if len(out) > 1)
+        bins = prefix_bins(law.outcomes, N, MIN_EXPECTED, law.prefixes)
+        assert sum(bins.values()) == pytest.approx(1.0) and len(bins) > 2, (name, len(bins))
+        assert min(bins.values()) * N >= MIN_EXPECTED, name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHATS))
 def test_drafts_are_proposed_accepted_and_rejected(arms, name):

@@ -888,6 +888,7 @@ def test_cluster_launcher_token_auth_setup_and_versions():
 
 
 # ---- 9. the RayJob's entrypoint, run locally ------------------------------------------------------
+@pytest.mark.slow
 def test_rayjob_entrypoint_runs_locally(ray_head, tiny_model_dir, tmp_path):
     """`python jobs/generate.py --config /config/job.yaml` exactly as the RayJob runs it (from the
     repo root = the image's /app), the config file being the ConfigMap's content. Overrides swap in

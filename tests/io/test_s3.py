@@ -105,6 +105,7 @@ def test_job_on_s3_with_storage_config(tiny_model_dir, ray_head, s3, moto_endpoi
     check_run(s3, moto_endpoint, prompts, summary, tmp_path / "hf-cache")
 
 
+@pytest.mark.slow
 def test_job_on_s3_with_aws_environment_and_glob(tiny_model_dir, ray_head, s3, moto_endpoint, monkeypatch,
                                                   tmp_path):
     prompts = upload_shards(s3)

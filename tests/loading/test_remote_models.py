@@ -75,6 +75,7 @@ def _fetch(url, cache, opts, out):
     out.put(str(remote.fetch_folder(url, Path(cache), opts)))
 
 
+@pytest.mark.slow
 def test_actors_on_one_node_copy_once(tiny_model_dir, s3, moto_endpoint, tmp_path):
     """Four processes asking at once: one copies (the lock), all get the same folder, no temporary
     copy is left behind."""

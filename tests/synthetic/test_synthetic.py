@@ -318,6 +318,7 @@ def race(config: Path) -> list[str]:
     return [committed[0], other]
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_local(local_slot, tiny_model_dir, ray_head, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, ray_head, str(tmp_path / "out"))
     race(config)
@@ -334,6 +335,7 @@ def test_two_runs_at_once_local(local_slot, tiny_model_dir, ray_head, tmp_path):
     assert {c["id"]: c["text"] for c in completions} == first
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_on_s3(local_slot, tiny_model_dir, ray_head, s3, moto_endpoint, tmp_path):  # noqa: F811
     config = write_config(tmp_path, tiny_model_dir, ray_head, f"s3://{BUCKET}/synth", f"endpoint_url={moto_endpoint}",
                           f"key={KEY}", f"secret={SECRET}", f"region={REGION}")
@@ -357,6 +359,7 @@ def test_two_runs_at_once_on_s3(local_slot, tiny_model_dir, ray_head, s3, moto_e
     assert after == before
 
 
+@pytest.mark.slow
 def test_a_run_that_died_is_resumed(local_slot, tiny_model_dir, ray_head, tmp_path, capsys):
     """The first run's worker hangs after a few engine steps (a drill), its driver is SIGKILLed once a
     unit is committed; the next run takes over the dead holder's claim at once (same host, pid gone),

@@ -60,7 +60,7 @@ class Grammars:
     def __init__(self, tokenizer: "llguidance.LLTokenizer", vocab_size: int, cache_size: int = 512):
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self.words = (vocab_size + 31) // 32            # int32 words per mask
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[str, llguidance.LLMatcher]] = OrderedDict()
         self.eos_ids = set(tokenizer.eos_tokens)
         self.eos_only = torch.zeros(self.words, dtype=torch.int32)     # the mask past an EOS: EOS alone
         for t in self.eos_ids:
@@ -76,6 +76,11 @@ class Grammars:
 
     def compile(self, fmt: ResponseFormat) -> str:
         """The checked grammar text; RequestError (field response_format) when it does not compile."""
+        return self._compiled(fmt)[0]
+
+    def _compiled(self, fmt: ResponseFormat) -> tuple[str, "llguidance.LLMatcher"]:
+        """The grammar text and a matcher at its start, built once per format (a matcher parses its
+        grammar, ~0.6 ms; a copy of a built one costs ~1 us) and kept for the last `cache_size` formats."""
         key = (fmt.kind, fmt.spec)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -84,17 +89,18 @@ class Grammars:
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise _error(fmt, error)
-        self._cache[key] = text
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise _error(fmt, matcher.get_error())
+        self._cache[key] = text, matcher
         self.num_compiled += 1
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return text
+        return text, matcher
 
     def guide(self, fmt: ResponseFormat) -> "Guide":
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(fmt), log_level=0)
-        if matcher.is_error():
-            raise _error(fmt, matcher.get_error())
-        return Guide(matcher, self.eos_ids, self.eos_only)
+        """A sequence's own grammar state: a copy of the format's matcher at its start (never advanced)."""
+        return Guide(self._compiled(fmt)[1].deep_copy(), self.eos_ids, self.eos_only)
 
 
 class Guide:

@@ -42,6 +42,7 @@ def ops_per_forward(r, *args) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name[6:] not in NOT_COMPUTE)
 
 
+@pytest.mark.slow
 def test_same_logits_fewer_ops(model):
     eager, comp = runner(model, "off"), runner(model, "on")
     assert comp.compiled_layers == 3 and comp.plan.layers == "compiled" and eager.plan.layers == "modules"
@@ -61,6 +62,7 @@ def test_same_logits_fewer_ops(model):
     assert counts[1] < 0.6 * counts[0], counts   # measured: 361 -> 124 (88 -> 9 per layer, 97 outside the layers)
 
 
+@pytest.mark.slow
 def test_greedy_identity_with_compiled_layers(target_model):
     model = target_model
     prompts = mixed_prompts(8, model.config.vocab_size, seed=6)
@@ -74,6 +76,7 @@ def test_greedy_identity_with_compiled_layers(target_model):
     assert engine.target.compiled_layers == len(compiled.decoder_layers(model)) and sum(r.accepted for r in rounds) > 0
 
 
+@pytest.mark.slow
 def test_a_compiler_failure_falls_back_to_the_modules(model):
     eager, comp = runner(model, "off"), runner(model, "on")
 

@@ -88,6 +88,7 @@ def test_compile_modes(monkeypatch):
         flex_policy("on", cpu)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", ["on", "auto"])
 def test_runner_logits_equal_eager(compile):
     """The same forwards through both kernels (auto picks flex for the mixed step only): same logits."""
@@ -118,6 +119,7 @@ def test_compile_key_in_yaml_and_overrides(tmp_path):
         load_config(str(path), ["engine.compile=maybe"])
 
 
+@pytest.mark.slow
 def test_many_head_sizes_in_one_process():
     """Every model in one process shares the compiled kernel: scales are data, not graph constants,
     and past dynamo's recompile limit the kernel still runs (CI once failed on the ninth variant)."""
