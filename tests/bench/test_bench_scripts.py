@@ -23,7 +23,7 @@ RESEARCH = ["attention_kernel", "draft_rounds", "drafter_sim", "gpu_profile", "g
             "read_bandwidth", "step_split", "suffix_lookup", "topk_replay", "tree_replay", "tree_step"]
 SCRIPTS = MAINTAINED + [f"research.{name}" for name in RESEARCH]
 LIBRARIES = ["common", "hf_baselines", "prompts"]          # imported by the scripts
-SHELL = ["gpu_check.sh", "setup_vllm.sh", "research/alternating.sh"]
+SHELL = ["gpu_check.sh", "setup_vllm.sh", "research/alternating.sh", "research/ab_commits.sh"]
 TINY = {   # script -> its dry run's arguments
     "gpu_bench": ["--device", "cpu", "--dtype", "float32", "--tiny"],
     "research.gpu_profile": ["--device", "cpu", "--dtype", "float32", "--tiny"],

@@ -19,6 +19,8 @@ import pytest
 from conftest import RayHead
 from faults import RayNode, S3FaultProxy, _cmdline, fill_until_full, small_disk, wait_for_nodes
 from pipeline.cluster.driver import JobFailed, run_job
+from pipeline.io.reader import InputError
+from pipeline.io.writer import OutputError
 from pipeline_util import job_config, job_overrides, prompt_rows, read_run, write_parquet
 from pipeline_util import check_exactly_once, shards
 from s3_util import moto_endpoint, s3  # noqa: F401 -- fixtures
@@ -346,10 +348,11 @@ def test_bad_locations_and_pickled_models_exit_2_before_ray(tiny_model_dir, tmp_
         "file": ([f"output.path={tmp_path / 'afile'}"], "afile is a file; output.path must be a folder"),
         "inside": ([f"output.path={tmp_path / 'in' / 'out'}"], "lies inside input.path"),
     }
-    for name, (extra, pattern) in cases.items():
+    for name, (extra, pattern) in cases.items():      # the driver's refusals, in this process
         args = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), unreachable, *extra)
-        proc = subprocess.run([sys.executable, "jobs/generate.py", *args], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, (name, proc.stderr[-2000:])
-        import re
-        assert re.search(pattern, proc.stderr), (name, proc.stderr[-2000:])
+        with pytest.raises((InputError, OutputError), match=pattern):
+            run_job(job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), unreachable, *extra))
+    # and one through the command line: exit 2 with the message
+    proc = subprocess.run([sys.executable, "jobs/generate.py", *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and re.search(pattern, proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()

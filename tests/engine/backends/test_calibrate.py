@@ -5,6 +5,7 @@ measuring loop's dropping of a kernel that falls behind, and the runner applying
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from conftest import tiny_llama
 from pipeline.engine.backends.cpu import calibrate as cal
+from pipeline.engine.core.timing import interleaved
 from pipeline.engine.backends.cpu.linear import LinearPlan, PlannedLinear, can_pack, family
 from pipeline.engine.model.runner import build_runner
 
@@ -138,16 +140,27 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
         assert json.loads(files[0].read_text())["version"] == cal.VERSION
 
 
+class VirtualClock:
+    """The measuring loop's clock, advanced only by the fake kernels' stated costs: the timings are
+    exactly those costs however busy the machine is."""
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        monkeypatch.setattr(cal, "interleaved", functools.partial(interleaved, clock=self))
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def _timed(monkeypatch, costs: dict, kinds: tuple[str, ...]):
     """The real measuring loop over kernels that cost known ms by rows."""
-    import time
+    clock = VirtualClock(monkeypatch)
 
     def fake(kind, weight, kernel, amx=None):
-        def run(x):
-            end = time.perf_counter() + costs[kind](x.shape[0]) * 1e-3
-            while time.perf_counter() < end:
-                pass
-        return run
+        return lambda x: clock.spend(costs[kind](x.shape[0]) * 1e-3)
     monkeypatch.setattr(cal, "_runner", fake)
     return cal.measure({"qkv": [torch.zeros(8, 8)]}, kinds, None, repeats=1)["qkv"][0]
 
@@ -192,15 +205,12 @@ def test_a_prefill_bucket_is_timed_on_fewer_weights_and_scaled(monkeypatch):
     rows, 2 at the prefill step's 2048), and its time is scaled to all of them: each call costs 1 ms
     whatever the rows, so every bucket reads ~32 ms. One timed pass each (repeats 1, no warm-up). The
     LM head is not timed at the prefill step's rows."""
-    import time
-    calls = collections.Counter()
+    calls, clock = collections.Counter(), VirtualClock(monkeypatch)
 
     def fake(kind, weight, kernel, amx=None):
         def run(x):
             calls[x.shape[0]] += 1
-            end = time.perf_counter() + 1e-3
-            while time.perf_counter() < end:
-                pass
+            clock.spend(1e-3)
         return run
     monkeypatch.setattr(cal, "_runner", fake)
     monkeypatch.setattr(cal, "LARGE_BYTES", 8 << 20)
@@ -406,15 +416,12 @@ def test_a_crossing_far_out_is_found_to_an_eighth_of_the_rows():
 def test_measuring_moves_each_switch_to_the_crossing(monkeypatch):
     """The real measuring loop with refine: the panel kernel in 4-row steps, oneDNN flat 5.2 ms to 16
     rows. The plan switches after 4 rows, found by timing 6 and 5 rows."""
-    import time
+    clock = VirtualClock(monkeypatch)
 
     def fake(kind, weight, kernel, amx=None):
         def run(x):
             rows = x.shape[0]
-            ms = _panel_steps(rows) if kind == "panel" else max(5.2, 0.3 * rows)
-            end = time.perf_counter() + ms * 1e-4
-            while time.perf_counter() < end:
-                pass
+            clock.spend((_panel_steps(rows) if kind == "panel" else max(5.2, 0.3 * rows)) * 1e-4)
         return run
     monkeypatch.setattr(cal, "_runner", fake)
     times, plan, probes = cal.measure({"qkv": [torch.zeros(8, 8)]}, ("panel", "onednn"), None, repeats=3)["qkv"]
