@@ -182,21 +182,24 @@ class WorkerPool:
         return Outcome()
 
     def _on_placed(self, w: Worker) -> Outcome:
-        try:
-            ray.get(w.placed_ref)
+        if self._answered(w, w.placed_ref, "could not be placed"):
             w.placed_at = self.clock()
-        except RayError as e:
-            self.retire(w, f"could not be placed: {cause_of(e)}", replace=True)
         return Outcome()
 
     def _on_started(self, w: Worker) -> Outcome:
-        try:
-            ray.get(w.started_ref)
+        if self._answered(w, w.started_ref, "could not start"):
             w.placed_at = w.placed_at or self.clock()
             w.started_at = self.clock()
-        except RayError as e:
-            self.retire(w, f"could not start: {cause_of(e)}", replace=True)
         return Outcome()
+
+    def _answered(self, w: Worker, ref, failure: str) -> bool:
+        """Whether `ref` resolved; where it raised, the worker is retired (and replaced), `failure` named."""
+        try:
+            ray.get(ref)
+            return True
+        except RayError as e:
+            self.retire(w, f"{failure}: {cause_of(e)}", replace=True)
+            return False
 
     def _on_loaded(self, w: Worker) -> Outcome:
         try:
