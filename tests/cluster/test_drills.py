@@ -301,7 +301,9 @@ def _ray_daemons(started_by: int) -> set[int]:
 def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path):
     """The job's own local Ray (no cluster address), as the README demo runs it, with the default
     token location in a fresh HOME: the token file is private, a signal stops dispatch, the job says
-    what was committed and how to resume, exits 128 + signal, and leaves no Ray process behind."""
+    what was committed and how to resume, exits 128 + signal, and leaves no Ray process behind. After
+    SIGTERM (what Ray, Kubernetes and schedulers send) the same command resumes and completes exactly
+    once; both signals stop through the same StopRequest, so SIGINT's resume is that one."""
     ids = shards(tmp_path / "in", files=2, rows=40)    # 40 units: more than a fast box finishes in the grace
     home = tmp_path / "home"
     home.mkdir()
@@ -328,6 +330,8 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     assert not _ray_daemons(job.proc.pid), "the job's Ray processes outlived it"
     committed = len(list((tmp_path / "out" / "t" / "_committed").glob("*.json")))
     assert 2 <= committed < 40
+    if sig != signal.SIGTERM:
+        return
     rerun = Job(tmp_path, overrides, env=env, name="rerun")
     assert rerun.wait(timeout=300) == 0, rerun.output[-3000:]
     check_exactly_once(read_run(tmp_path / "out" / "t"), ids)
