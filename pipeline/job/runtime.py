@@ -12,10 +12,12 @@ from ..engine import (DraftingConfig, DraftModelDrafter, EngineConfig, HybridDra
                       NgramDrafter, SpecEngine, SuffixDrafter, TreeParams)
 from ..engine.grammar.library import Grammars
 from ..engine.model.hf_config import reject_unsupported, text_config
+from ..engine.parallel.steps import TensorParallel
 from ..io.reader import storage_options
 from ..io.storage import StorageConfig
 from ..loading.hardware import DtypeChoice, resolve_dtype
 from ..loading.models import ModelSpec, check_vocab_compatible, load_model, model_id
+from ..loading.shards import load_model_shard
 from .config import SAME, ModelsConfig
 
 log = logging.getLogger(__name__)
@@ -57,18 +59,20 @@ def resolve_draft_dtype(models: ModelsConfig, target: DtypeChoice) -> DtypeChoic
 
 
 def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: EngineConfig,
-                 kernels: Kernels | None = None, storage: StorageConfig | None = None) -> LoadedEngine:
+                 kernels: Kernels | None = None, storage: StorageConfig | None = None,
+                 tp: TensorParallel | None = None) -> LoadedEngine:
     """Load target (+ draft) in the dtypes `models.dtype` / `models.draft_dtype` resolve to on this
     machine's hardware; size the slot stores (engine.max_num_seqs, auto: from both models' KV needs);
     build the runners on the backend plan and the drafter `drafting.method` names. `storage`: access
-    to models kept in object storage."""
+    to models kept in object storage. tp: rank 0's place in a tensor-parallel replica (job/replica.py):
+    the target is then rank 0's part, read by slices, and every rank runs each target forward."""
     storage = storage or StorageConfig()
 
     def options(source: str) -> dict | None:
         return storage_options(source, storage) if "://" in source else None
     dtype = resolve_dtype(models.dtype, models.device)
     spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code, options(models.target))
-    target, tokenizer = load_model(spec)
+    target, tokenizer = load_model(spec) if tp is None or tp.size == 1 else load_model_shard(spec, tp.size, 0)[:2]
     reject_unsupported(target.config, engine_cfg.max_model_len)
     draft, draft_id, draft_dtype = None, None, None
     if drafting.uses_draft_model:
@@ -82,21 +86,23 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
     eos = eos_ids(target, tokenizer)
     engine = assemble_engine(target, draft, drafting, engine_cfg, kernels, eos,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos))
+                             grammars=grammars_for(tokenizer, text_config(target.config).vocab_size, eos), tp=tp)
     return LoadedEngine(engine=engine, tokenizer=tokenizer, target_id=model_id(spec), draft_id=draft_id,
                         dtype=dtype, draft_dtype=draft_dtype, slots_reason=engine.target.slots_reason)
 
 
 def assemble_engine(target, draft, drafting: DraftingConfig, engine_cfg: EngineConfig, kernels: Kernels | None = None,
-                    eos: list[int] = (), decode=None, grammars: Grammars | None = None) -> SpecEngine:
+                    eos: list[int] = (), decode=None, grammars: Grammars | None = None,
+                    tp: TensorParallel | None = None) -> SpecEngine:
     """The engine over loaded models (`draft`: the draft model where drafting.method runs one, else
     None): each model on its own runner, the drafter drafting.method names. engine_cfg.max_num_seqs
     auto is resolved by the target's runner (model/slots.py: the KV of both models bounds it; on CPU
-    the runner keeps the fewest sequences near its best measured tokens/s), and the draft's follows."""
+    the runner keeps the fewest sequences near its best measured tokens/s), and the draft's follows.
+    tp: the target is rank 0's part of a tensor-parallel replica; the draft runs whole, on rank 0."""
     if drafting.uses_draft_model != (draft is not None):
         raise ValueError(f"drafting.method={drafting.method!r} " + ("needs a draft model" if draft is None
                                                                     else "runs no draft model"))
-    runner = ModelRunner(target, engine_cfg, kernels, beside=(draft,) if draft is not None else ())
+    runner = ModelRunner(target, engine_cfg, kernels, beside=(draft,) if draft is not None else (), tp=tp)
     engine_cfg = runner.sized(engine_cfg)
     drafter = DraftModelDrafter(ModelRunner(draft, engine_cfg, kernels), drafting.draft_sample_method) if draft else None
     if drafting.free_method is not None:

@@ -9,9 +9,10 @@ This module knows nothing about requests, drafting or sampling.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable
 
 import torch
@@ -34,6 +35,8 @@ from ..core.verify import HostVerifyOutput
 from ..core.verify_step import Readback, SlotCounts, Tail, VerifyStep, tail_spec
 from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
+from ..parallel.shard import install_collectives
+from ..parallel.steps import TensorParallel
 from .attention import ATTENTION_NAME, register_attention
 from .hf_config import active_sliding_window, head_dim, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends, cpu_lacks
@@ -51,12 +54,24 @@ class ModelRunner:
     """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py resolves it for
     this model's KV and that of the models `beside` it, which keep as many slots) of
     `config.max_model_len` positions; the kernels come from the backend plan (plan.py): `kernels`
-    overrides the per-kernel switches that `config.kernels` implies (tests and benchmarks)."""
+    overrides the per-kernel switches that `config.kernels` implies (tests and benchmarks).
+
+    tp: the runner's place in a tensor-parallel replica (parallel/): `model` is then this rank's shard,
+    its attention and MLP outputs all-reduced and its logits gathered on rank 0, and on rank 0 every
+    forward and KV move is first sent to the other ranks (parallel/steps.py). At more than one rank the
+    forward runs the model's modules with our kernels in them (not the CPU loop, compiled layers or
+    CUDA graphs, which have no collectives), and auto slots are bounded by memory, not measured."""
 
     def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None,
-                 beside: tuple = ()):
+                 beside: tuple = (), tp: TensorParallel | None = None):
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            if kernels.linear_plan is not None:
+                raise ValueError("a forced linear_plan is not sent to a tensor-parallel replica's ranks")
+            kernels = replace(kernels, cpu_decoder="off", compiled_layers="off", uncaptured_graphs=False)
+            config = replace(config, cuda_graphs="off")
         cfg = text_config(model.config)
         head_size = head_dim(cfg)
         self.model = model
@@ -92,7 +107,7 @@ class ModelRunner:
             head_size, self.dtype, self.device)
         # auto on CPU: the slots are measured (_fit_slots) on a store of the few positions the measuring
         # steps use, and the store of max_model_len positions is made for the slots kept
-        measure = auto and self.device.type == "cpu" and not chosen.graphs
+        measure = auto and self.device.type == "cpu" and not chosen.graphs and self.tp is None
         self.cache = self._store(store_slots, measuring_context(max_model_len) + 1 if measure else store_len)
         self.num_forward_tokens = 0        # real tokens forwarded, all time
         self.plain_steps: dict[int, float] = {}   # rows -> s of a one-token step at measuring_context (_fit_slots)
@@ -111,6 +126,10 @@ class ModelRunner:
         self.plan = self._plan(chosen)
         if measure:
             self._fit_slots()
+        if self.tp is not None and self.tp.peers is not None:     # rank 0: the other ranks build theirs
+            own = sum(p.numel() * p.element_size() for p in model.parameters())
+            kernel_fields = {k: v for k, v in asdict(kernels).items() if k != "linear_plan"}
+            self.tp.weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s, own)
 
     def sized(self, config: EngineConfig) -> EngineConfig:
         """`config` with engine.max_num_seqs as this runner resolved it (auto: the slots it kept): the one
@@ -217,6 +236,9 @@ class ModelRunner:
         # Each decoder layer compiled (its norms, RoPE, residual adds and SiLU product fused): where the
         # modules run the forward (no CPU loop), on CUDA by default
         self.compiled_layers = compile_layers(model) if chosen.compiled_layers and self.decoder is None else 0
+        # A replica's collectives on the modules as they now run: our kernels compute each rank's shard
+        if self.tp is not None:
+            install_collectives(model, self.tp.group)
         self.layers_off_reason: str | None = None
 
     def _linear_plans(self, model, chosen: Backends, kernels: Kernels,
@@ -280,6 +302,16 @@ class ModelRunner:
         start + depth, each token attending to its ancestors only); then `move_path` keeps one path.
         last_tokens: [rows] int64 on the device, each row's last token in place of tokens[b][-1] (a
         placeholder): a draft model's next input, which the host has not read back."""
+        with self._mirrored("forward", slots=slots, starts=starts, tokens=tokens, logits=logits, parents=parents):
+            return self._forward(slots, starts, tokens, logits, parents, last_tokens)
+
+    def _mirrored(self, op: str, **args):
+        """On rank 0 of a tensor-parallel replica: `op` sent to every rank, which run it beside this one."""
+        if self.tp is None or self.tp.peers is None:
+            return contextlib.nullcontext()
+        return self.tp.peers.step(op, **args)
+
+    def _forward(self, slots, starts, tokens, logits, parents, last_tokens) -> torch.Tensor | None:
         num_new = [len(t) for t in tokens]
         kernel = self.cpu_attention
         if parents is not None and all(p is None or is_chain(p) for p in parents):
@@ -398,6 +430,10 @@ class ModelRunner:
         """After a tree step: row b's accepted path, the inputs paths[b] (increasing, past the root),
         gets its KV at positions starts[b] + 1, + 2, ... (contiguous after the root); the rest of the
         tree is left past the computed length (rolled back as a length). Counts no forwarded token."""
+        with self._mirrored("move_path", slots=slots, starts=starts, paths=paths):
+            self._move_path(slots, starts, paths)
+
+    def _move_path(self, slots: list[int], starts: list[int], paths: list[list[int]]) -> None:
         src, dst, row_slots = [], [], []
         for slot, start, path in zip(slots, starts, paths):
             for j, inp in enumerate(path, start=1):
@@ -412,7 +448,8 @@ class ModelRunner:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot `dst` gets slot `src`'s KV for positions [0, n): a shared prompt prefix, copied instead of
         computed (core/prefix.py). Counts no forwarded token."""
-        self.cache.copy_positions(src, dst, n)
+        with self._mirrored("copy_prefix", src=src, dst=dst, n=n):
+            self.cache.copy_positions(src, dst, n)
 
     @property
     def pads_rows(self) -> bool:
