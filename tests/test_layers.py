@@ -22,6 +22,7 @@ LAYERS = [                                     # ground floor first
     ["pipeline.engine.grammar"],
     ["pipeline.engine.kv"],
     ["pipeline.engine.backends"],
+    ["pipeline.engine.parallel"],
     ["pipeline.engine.model"],
     ["pipeline.engine.drafting"],
     ["pipeline.engine.engine", "pipeline.engine"],   # the loop, and the engine's face (__init__)

@@ -246,6 +246,7 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: Sto
         bar.close()
     run_stats["workers"] = pool.loaded
     run_stats["worker_restarts"] = pool.restarts
+    run_stats["workers_lost"] = pool.lost()
     first_ready = min(pool.ready_times, default=t_spawn)
     run_stats["workers_ready_s"] = round(max(pool.ready_times[:cfg.cluster.num_workers], default=t_spawn) - t_spawn, 2)
     run_stats["generate_s"] = round(pool.clock() - first_ready, 3)    # first worker ready -> last commit

@@ -28,6 +28,7 @@ class FaultPlan:
     crash_after_steps: int = 0              # exit after this many engine steps (0: never)
     hang_after_steps: int = 0               # the engine loop stops after this many steps (0: never)
     crash_before_commit: bool = False       # exit after writing a unit's data, before its marker
+    crash_rank_after_steps: int = 0         # a tensor-parallel rank: exit after this many steps (0: never)
 
     @classmethod
     def from_config(cls, debug: DebugConfig, index: int, incarnation: int) -> FaultPlan:
@@ -36,6 +37,18 @@ class FaultPlan:
                    crash_after_steps=debug.crash_worker_after_steps if first_w0 else 0,
                    hang_after_steps=debug.hang_worker_after_steps if first_w0 else 0,
                    crash_before_commit=debug.crash_before_commit)
+
+    @classmethod
+    def for_rank(cls, debug: DebugConfig, index: int, incarnation: int, rank: int, size: int) -> FaultPlan:
+        """A tensor-parallel rank's plan (ranks 1..N-1): the last rank of worker 0's first incarnation
+        may die after a step count."""
+        last_of_first_w0 = index == 0 and incarnation == 0 and rank == size - 1
+        return cls(crash_rank_after_steps=debug.crash_rank_after_steps if last_of_first_w0 else 0)
+
+    def after_rank_step(self, steps: int) -> None:
+        """Called by a tensor-parallel rank after each step it ran."""
+        if self.crash_rank_after_steps and steps >= self.crash_rank_after_steps:
+            exit_now()
 
     def on_start(self) -> None:
         if self.start_delay_s:

@@ -12,9 +12,15 @@ a worker can fail ends in a verdict, never a wait:
     load not done within load_timeout_s      given up
     actor died (node lost, OOM, os._exit)    its units are re-queued; a replacement is spawned while
                                              restarts are left
+    a tensor-parallel rank died              the same, for its whole replica (rank 0 and the other ranks)
+    a rank's load raised                     the job fails, as rank 0's would
     a unit's task raised                     that unit is re-queued (one attempt used); the worker
                                              stays, unless it says it is broken (WorkerBroken)
     no engine step or commit for stall_timeout_s while holding units: killed, as if it died
+
+With models.tensor_parallel_size N a worker is a replica: rank 0 (the GenerationWorker, which runs
+the round) and ranks 1..N-1 (RankWorker), one bundle each in one STRICT_PACK group. The other ranks'
+`serve` calls stay pending while the replica lives, so a rank's death resolves one of them.
 
 Knows Ray and units; knows nothing about the output layout, models or progress bars.
 """
@@ -31,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
 from ..job.config import JobConfig
+from .rank import RankWorker
 from .worker import GenerationWorker, WorkerBroken
 
 STARTING, READY, GONE = "starting", "ready", "gone"
@@ -59,6 +66,8 @@ class Worker:
     cause: str = ""                                    # why it is gone
     progress: tuple = ()                               # last (steps, units, rows) seen
     progress_at: float = 0.0
+    ranks: list = field(default_factory=list)          # tensor parallel: the actors of ranks 1..N-1
+    rank_refs: dict = field(default_factory=dict)      # their pending serve() call -> rank
 
 
 @dataclass
@@ -102,15 +111,19 @@ class WorkerPool:
     def _spawn(self, index: int, incarnation: int) -> Worker:
         c = self.cfg.cluster
         name = f"w{index}" + (f".{incarnation}" if incarnation else "")
+        size = self.cfg.models.tensor_parallel_size
         bundle = {"CPU": c.num_cpus_per_worker, **({"GPU": c.num_gpus_per_worker} if c.num_gpus_per_worker else {})}
-        group = placement_group([bundle], strategy="STRICT_PACK")
-        actor = ray.remote(GenerationWorker).options(
-            num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
-            max_concurrency=self.max_units + 3,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote(self.cfg, name, index, incarnation)
-        w = Worker(name, index, incarnation, actor, group, group.ready(), actor.ping.remote(), actor.load.remote(),
-                   self.clock())
+        group = placement_group([bundle] * size, strategy="STRICT_PACK")
+        options = lambda rank: dict(num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                        group, placement_group_bundle_index=rank))
+        actor = ray.remote(GenerationWorker).options(max_concurrency=self.max_units + 3, **options(0)).remote(
+            self.cfg, name, index, incarnation)
+        ranks = [ray.remote(RankWorker).options(**options(r)).remote(self.cfg, f"{name}.r{r}", r, index, incarnation)
+                 for r in range(1, size)]
+        address = actor.rendezvous.remote() if size > 1 else None
+        w = Worker(name, index, incarnation, actor, group, group.ready(), actor.ping.remote(), actor.load.remote(address),
+                   self.clock(), ranks=ranks, rank_refs={a.serve.remote(address): r for r, a in enumerate(ranks, 1)})
         self.workers.append(w)
         return w
 
@@ -124,10 +137,12 @@ class WorkerPool:
         for k, v in stats.items():
             if isinstance(v, (int, float)):
                 self.dead_stats[k] = self.dead_stats.get(k, 0) + v
-        try:
-            ray.kill(w.actor)
-        except RayError:
-            pass
+        for actor in (w.actor, *w.ranks):
+            try:
+                ray.kill(actor)
+            except RayError:
+                pass
+        w.rank_refs.clear()
         try:
             remove_placement_group(w.group)
         except (RayError, ValueError):
@@ -157,7 +172,12 @@ class WorkerPool:
                 refs.append(w.placed_ref if w.placed_at is None else w.started_ref if w.started_at is None
                             else w.load_ref)
             refs.extend(w.units)
+            refs.extend(w.rank_refs)
         return refs
+
+    def lost(self) -> dict[str, str]:
+        """Workers lost during the job (not stopped at its end), each with why."""
+        return {w.name: w.cause for w in self.workers if w.state == GONE and w.cause != "stopped"}
 
     def gone_causes(self) -> str:
         return "; ".join(f"{w.name}: {w.cause}" for w in self.workers if w.state == GONE) or "none"
@@ -179,6 +199,8 @@ class WorkerPool:
                 return self._on_loaded(w)
             if ref in w.units:
                 return self._on_unit(w, ref)
+            if ref in w.rank_refs:
+                return self._on_rank_gone(w, ref)
         return Outcome()
 
     def _on_placed(self, w: Worker) -> Outcome:
@@ -225,14 +247,33 @@ class WorkerPool:
         others = self.retire(w, cause, replace=True)
         return Outcome(failed=[(u, cause) for u in [unit] + others])
 
+    def _on_rank_gone(self, w: Worker, ref) -> Outcome:
+        """A rank's serve() ended while its replica lived: the replica is lost (its units re-queued,
+        a replacement spawned), unless loading raised, which every replica would."""
+        rank = w.rank_refs.pop(ref)
+        try:
+            steps = ray.get(ref)
+            cause = f"rank {rank} left after {steps} steps"
+        except RayTaskError as e:
+            if w.state == STARTING and "RankLost" not in cause_of(e):
+                raise LoadFailed(f"worker {w.name} rank {rank} failed to load its part of the target: "
+                                 f"{cause_of(e)}") from None
+            cause = f"rank {rank} failed: {cause_of(e)}"
+        except RayActorError as e:
+            cause = f"rank {rank} died: {cause_of(e)}"
+        units = self.retire(w, f"tensor-parallel {cause}", replace=True)
+        return Outcome(failed=[(u, f"tensor-parallel {cause}") for u in units])
+
     # ---- deadlines --------------------------------------------------------------------------------
     def check_deadlines(self) -> Outcome:
         """Give up on workers past their placement/start/load deadline or stalled while holding units."""
         c, now, out = self.cfg.cluster, self.clock(), Outcome()
         for w in list(self.live):
             if w.state == STARTING and w.placed_at is None and now - w.spawned_at > c.placement_timeout_s:
+                ranks = self.cfg.models.tensor_parallel_size
+                per = f" on one node for each of {ranks} ranks" if ranks > 1 else ""
                 self.retire(w, f"not placed within {c.placement_timeout_s:.0f} s: needs {c.num_cpus_per_worker:g} "
-                               f"CPU, {c.num_gpus_per_worker:g} GPU; available now: {_available()}", replace=False)
+                               f"CPU, {c.num_gpus_per_worker:g} GPU{per}; available now: {_available()}", replace=False)
             elif w.state == STARTING and w.placed_at is not None and w.started_at is None \
                     and now - w.placed_at > c.start_timeout_s:
                 self.retire(w, f"placed, but its process did not start within {c.start_timeout_s:.0f} s "

@@ -45,15 +45,29 @@ class GenerationWorker:
                        "step_s": 0.0}
         self._metrics = WorkerMetrics(name, cfg.run.run_id, enabled=False)    # a no-op until load()
         self._loop: EngineLoop | None = None
+        self._rendezvous: tuple | None = None    # tensor parallel: (address, store) the ranks join
+        self._tp = None
+
+    def rendezvous(self) -> str:
+        """Tensor parallel: the address (this node, a free port) whose store this actor now serves, for
+        the replica's other ranks to join."""
+        import ray
+
+        from ..engine.parallel.group import free_address, open_rendezvous
+        address = free_address(ray.util.get_node_ip_address())
+        size, timeout = self.cfg.models.tensor_parallel_size, self.cfg.cluster.load_timeout_s
+        self._rendezvous = (address, open_rendezvous(address, size, timeout))
+        return address
 
     # ---- actor methods --------------------------------------------------------------------------
     def ping(self) -> str:
         """Answers as soon as the actor's process is started and constructed (the driver's start check)."""
         return self.name
 
-    def load(self) -> dict:
+    def load(self, rendezvous: str | None = None) -> dict:
         """Load models, build the engine and start its loop. Returns model ids and load time. If it
-        raises, every later run_unit raises WorkerBroken (no call waits forever)."""
+        raises, every later run_unit raises WorkerBroken (no call waits forever). Tensor parallel: called
+        with rendezvous()'s result, so Ray starts it once the replica's store is open."""
         try:
             return self._load()
         except BaseException as e:
@@ -94,11 +108,25 @@ class GenerationWorker:
         # cores the model's OpenMP threads are using (measured: +50% step time at 2 threads/2 cores).
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         torch.set_num_threads(self._threads)
-        self.loaded = build_engine(self.cfg.models, self.cfg.drafting, self.cfg.engine, storage=self.cfg.storage)
+        self.loaded = build_engine(self.cfg.models, self.cfg.drafting, self.cfg.engine, storage=self.cfg.storage,
+                                   tp=self._replica())
         self._metrics = WorkerMetrics(self.name, self.cfg.run.run_id, enabled=self.cfg.run.metrics)
         self._loop = self._engine_loop()
         self._loop.start()
         return self._load_report(time.perf_counter() - t0)
+
+    def _replica(self):
+        """Tensor parallel: rank 0's place in this worker's replica, once every rank has joined; None at 1."""
+        if self.cfg.models.tensor_parallel_size == 1:
+            return None
+        from ..job.replica import open_replica
+        if self._rendezvous is None:
+            raise RuntimeError("tensor parallel: load() before rendezvous()")
+        c = self.cfg.cluster
+        address, store = self._rendezvous
+        self._tp = open_replica(address, self.cfg.models.tensor_parallel_size, self.cfg.models.device,
+                                c.load_timeout_s, c.collective_timeout_s, store=store)
+        return self._tp
 
     def _engine_loop(self) -> EngineLoop:
         """The loop and the parts it drives, around the loaded engine."""
@@ -121,4 +149,15 @@ class GenerationWorker:
                 "dtype": loaded.dtype.dtype, "dtype_reason": loaded.dtype.reason,
                 "draft_dtype": loaded.draft_dtype.dtype if loaded.draft_dtype else None,
                 "max_num_seqs": loaded.engine.config.max_num_seqs, "slots_reason": loaded.slots_reason,
-                "plan": loaded.plan_lines(), "load_s": round(load_s, 2), "pid": os.getpid()}
+                "plan": loaded.plan_lines(), "load_s": round(load_s, 2), "pid": os.getpid(),
+                "ranks": self._ranks()}
+
+    def _ranks(self) -> list[dict]:
+        """Each rank of this worker's replica: device, collective backend, weight bytes held (one entry
+        at tensor_parallel_size 1)."""
+        tp, m = self._tp, self.cfg.models
+        if tp is None:
+            return [{"rank": 0, "device": m.device, "backend": None,
+                     "weight_bytes": self.loaded.engine.target.weight_bytes}]
+        return [{"rank": r, "device": m.device, "backend": tp.group.backend, "weight_bytes": b}
+                for r, b in sorted(tp.weight_bytes.items())]

@@ -44,8 +44,15 @@ class ModelsConfig:
                                              # own q): a bf16 draft beside a forced fp32 target costs half
     device: str = "cpu"                      # cpu | cuda | cuda:N
     trust_remote_code: bool = False          # never run model code from a checkpoint unless set
+    tensor_parallel_size: int = 1            # ranks one replica's target is split over (heads, MLP width,
+                                             # vocabulary): a worker is this many actors in one placement
+                                             # group, each with a bundle of cluster.num_cpus/gpus_per_worker;
+                                             # the draft runs whole beside rank 0 (pipeline/engine/parallel/)
 
     def __post_init__(self):
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ConfigError(f"models.tensor_parallel_size: expected an integer >= 1, got {self.tensor_parallel_size!r}")
         one_of("models.dtype", self.dtype, DTYPES)
         one_of("models.draft_dtype", self.draft_dtype, (SAME, *DTYPES))
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -80,11 +87,14 @@ class ClusterConfig:
     stall_timeout_s: float = 600            # a worker holding units with no engine step or commit for
                                             # this long is taken as hung: killed, its units re-queued
     shutdown_grace_s: float = 30            # on SIGINT/SIGTERM, how long in-flight units may still commit
+    collective_timeout_s: float = 120       # tensor parallel: a collective between a replica's ranks not
+                                            # done by then fails the replica (its units re-queued); an
+                                            # idle rank 0 beats every quarter of it
 
     def __post_init__(self):
         for key, low in (("num_workers", 1), ("units_in_flight", 1), ("max_unit_attempts", 1),
                          ("max_worker_restarts", 0), ("placement_timeout_s", 1), ("start_timeout_s", 1),
-                         ("load_timeout_s", 1),
+                         ("load_timeout_s", 1), ("collective_timeout_s", 1),
                          ("stall_timeout_s", 1), ("shutdown_grace_s", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"cluster.{key}: expected >= {low}, got {getattr(self, key)}")
@@ -102,6 +112,8 @@ class DebugConfig:
     start_delay_s: float = 0                # first incarnation of worker 0 takes this long to start
                                             # (its constructor sleeps: a process slow to start)
     hold_dispatch_file: str = ""            # while this file exists the driver hands out no unit
+    crash_rank_after_steps: int = 0         # tensor parallel: the last rank of worker 0's first incarnation
+                                            # exits (os._exit) after N steps
 
 
 @dataclass

@@ -19,23 +19,26 @@ from ..loading.models import ModelSpec
 from ..loading.shards import load_model_shard, weight_bytes
 
 
-def open_replica(address: str, size: int, device: str, startup_timeout_s: float, timeout_s: float) -> TensorParallel:
+def open_replica(address: str, size: int, device: str, startup_timeout_s: float, timeout_s: float,
+                 store=None) -> TensorParallel:
     """Rank 0's place in a replica of `size` ranks whose rendezvous is `address` (host:port, on this
-    host): blocks until every rank has joined (within startup_timeout_s)."""
-    store = open_rendezvous(address, size, startup_timeout_s)
+    host; `store`: the one open_rendezvous opened there already): blocks until every rank has joined
+    (within startup_timeout_s)."""
+    store = store or open_rendezvous(address, size, startup_timeout_s)
     group = RankGroup.join(address, 0, size, device, startup_timeout_s, store=store)
     return TensorParallel(group, timeout_s, Peers(group, beat_s=timeout_s / 4))
 
 
-def serve_rank(spec: ModelSpec, address: str, rank: int, size: int, startup_timeout_s: float) -> int:
+def serve_rank(spec: ModelSpec, address: str, rank: int, size: int, startup_timeout_s: float,
+               after_step=lambda steps: None) -> int:
     """Rank `rank` (>= 1) of a replica: its part of the target loaded, then each step rank 0 sends run,
     until rank 0 says stop (returns the steps run) or is gone (RankLost)."""
     model, _, _ = load_model_shard(spec, size, rank)
     group = RankGroup.join(address, rank, size, spec.device, startup_timeout_s)
-    tp = TensorParallel(group)
+    tp, held = TensorParallel(group), weight_bytes(model)       # as loaded, before kernels repack them
     try:
         return serve(group, lambda config, kernels: ModelRunner(model, EngineConfig(**config), Kernels(**kernels),
                                                                 tp=tp),
-                     lambda: weight_bytes(model))
+                     lambda: held, after_step)
     finally:
         group.close()

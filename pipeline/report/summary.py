@@ -99,7 +99,17 @@ def engine_lines(workers: list[dict]) -> list[str]:
     lines = [f"max_num_seqs {n} on {', '.join(str(w.get('worker')) for w in ws)}"
              + (f" ({ws[0]['slots_reason']})" if ws[0].get("slots_reason") else "")
              for n, ws in slots.items() if n is not None]
-    return lines + [f"kernels on {', '.join(names)}: " + "; ".join(plan) for plan, names in plans.items() if plan]
+    return (lines + [f"kernels on {', '.join(names)}: " + "; ".join(plan) for plan, names in plans.items() if plan]
+            + rank_lines(workers))
+
+
+def rank_lines(workers: list[dict]) -> list[str]:
+    """Tensor-parallel replicas: each worker's ranks with their device, the collective backend and the
+    weights each holds (nothing for replicas of one rank)."""
+    return [f"replica {w.get('worker')}: {len(w['ranks'])} ranks over {w['ranks'][0]['backend']}: "
+            + ", ".join(f"rank {r['rank']} on {r['device']} holds {r['weight_bytes'] / 2**20:.1f} MiB of weights"
+                        for r in w["ranks"])
+            for w in workers if len(w.get("ranks") or ()) > 1]
 
 
 # ---- status of runs ---------------------------------------------------------------------------------

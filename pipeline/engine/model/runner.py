@@ -67,6 +67,8 @@ class ModelRunner:
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
         self.tp = tp if tp is not None and tp.size > 1 else None
+        # the model's weights as loaded (our kernels may hold them in other layouts from here on)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.tp is not None:
             if kernels.linear_plan is not None:
                 raise ValueError("a forced linear_plan is not sent to a tensor-parallel replica's ranks")
@@ -127,9 +129,9 @@ class ModelRunner:
         if measure:
             self._fit_slots()
         if self.tp is not None and self.tp.peers is not None:     # rank 0: the other ranks build theirs
-            own = sum(p.numel() * p.element_size() for p in model.parameters())
             kernel_fields = {k: v for k, v in asdict(kernels).items() if k != "linear_plan"}
-            self.tp.weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s, own)
+            self.tp.weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s,
+                                                         self.weight_bytes)
 
     def sized(self, config: EngineConfig) -> EngineConfig:
         """`config` with engine.max_num_seqs as this runner resolved it (auto: the slots it kept): the one

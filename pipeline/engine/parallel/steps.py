@@ -113,10 +113,12 @@ def _weight_bytes(group: RankGroup, own: int) -> dict[int, int]:
     return {r: int(b) for r, b in enumerate(held.tolist())}
 
 
-def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes: Callable[[], int]) -> int:
+def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes: Callable[[], int],
+          after_step: Callable[[int], None] = lambda steps: None) -> int:
     """A rank's loop (ranks 1..N-1): each message from rank 0 run on this rank's runner. `build(config,
-    kernels)` makes the runner; `weight_bytes()` what this rank's weights hold. Returns the steps run
-    when told to stop; raises RankLost when rank 0 is gone."""
+    kernels)` makes the runner; `weight_bytes()` what this rank's weights hold; `after_step(steps)` is
+    called after each step run. Returns the steps run when told to stop; raises RankLost when rank 0
+    is gone."""
     runner, steps = None, 0
     while True:
         message = group.broadcast_message()
@@ -134,3 +136,4 @@ def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes:
             raise RuntimeError(f"rank {group.rank}: unexpected step {op!r}")
         getattr(runner, op)(**message)
         steps += 1
+        after_step(steps)

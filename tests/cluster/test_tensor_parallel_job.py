@@ -1,0 +1,54 @@
+"""Tensor-parallel replicas in the distributed job, on a real local Ray (`ray start --head`): a worker of
+2 ranks (2 actors in one STRICT_PACK placement group, gloo between their processes) writes the tokens a
+worker of 1 rank writes (fp32 greedy), each rank holding its part of the weights; a rank process that
+dies mid-run fails its replica, whose units the job re-queues to the replacement, exactly once."""
+import pytest
+
+from pipeline.cluster.driver import run_job
+from pipeline.engine.parallel.shard import Split
+from pipeline.loading.models import ModelSpec, load_model
+from pipeline_util import check_exactly_once, job_config, read_run, shards
+
+
+def expected_rank_bytes(model_dir, size: int) -> int:
+    """Bytes one rank of `size` holds: each split weight's 1/size part, each replicated weight whole
+    (a tied LM head: its vocabulary part beside the whole embedding)."""
+    model, _ = load_model(ModelSpec(str(model_dir), "float32"))
+    split = Split.of(model.config, size)
+    return sum(p.numel() * p.element_size() // (size if split.slice_of(n) is not None else 1)
+               for n, p in model.named_parameters(remove_duplicate=False))
+
+
+def test_two_ranks_write_the_tokens_of_one(tiny_model_dir, ray_head, tmp_path):
+    ids = shards(tmp_path / "in", files=2, rows=6)
+    tokens, summaries = {}, {}
+    for size in (1, 2):
+        cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / f"tp{size}"),
+                         f"cluster.address={ray_head.address}", "cluster.num_workers=1",
+                         f"models.tensor_parallel_size={size}", "sampling.max_tokens=12")
+        summaries[size] = run_job(cfg)
+        run = read_run(tmp_path / f"tp{size}" / "t")
+        check_exactly_once(run, ids)
+        tokens[size] = {c["id"]: c["token_ids"] for c in run["completions"]}
+    assert tokens[2] == tokens[1] and len(tokens[1]) == len(ids)
+    ranks = summaries[2]["workers"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["backend"] for r in ranks} == {"gloo"}
+    assert {r["weight_bytes"] for r in ranks} == {expected_rank_bytes(tiny_model_dir, 2)}
+    assert ranks[0]["weight_bytes"] < summaries[1]["workers"][0]["ranks"][0]["weight_bytes"]
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_run_job_completes_exactly_once(tiny_model_dir, ray_head, tmp_path):
+    """Rank 1 of the first replica exits (os._exit: its process gone, sockets closed) after 3 steps:
+    the replica is retired naming the rank, its units re-queued, and the replacement replica (2 new
+    rank processes) finishes every row once."""
+    ids = shards(tmp_path / "in", files=2, rows=9)
+    cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
+                     f"cluster.address={ray_head.address}", "cluster.num_workers=1",
+                     "models.tensor_parallel_size=2", "debug.crash_rank_after_steps=3", "sampling.max_tokens=12")
+    summary = run_job(cfg)
+    assert summary["worker_restarts"] >= 1 and summary["unit_retries"] >= 1
+    assert "rank 1" in summary["workers_lost"]["w0"], summary["workers_lost"]
+    run = read_run(tmp_path / "out" / "t")
+    check_exactly_once(run, ids)
+    assert {c["worker"] for c in run["completions"]} == {"w0.1"}
