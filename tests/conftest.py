@@ -159,7 +159,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
                 adaptive=False, eos=(), decode=None, max_prefill_tokens=512, compile="off", cpu_attention="auto",
                 cpu_linear="auto", prefix_reuse=True, cpu_decoder="auto", cuda_graphs="auto", grammars=None,
                 forced_tokens=True, tree: TreeParams = TreeParams(), linear_plan=None, target_switches=None,
-                run_ahead="auto"):
+                run_ahead="auto", tp=None):
     """An engine over copies of the models. Attention: every forward takes our CPU kernel
     (cpu_attention="auto", cpu_attention.py) unless cpu_attention="off"; then compile="on" takes the
     compiled FlexAttention path and compile="off" torch's padded SDPA. Linears: the plan measured on
@@ -170,7 +170,8 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     forward without capturing (where neither CPU kernel is in use), how the CPU tests check that path.
     tree: token trees from the ngram and suffix drafters (TreeParams.max_tokens > 0). target_switches: more
     of the target runner's Kernels switches (model/plan.py). run_ahead: engine.run_ahead ("on" with
-    "uncaptured" graphs runs steps ahead on CPU)."""
+    "uncaptured" graphs runs steps ahead on CPU). tp: `target` is rank 0's shard of a tensor-parallel
+    replica (tp_util.Replica)."""
     drafter = make_drafter(kind, draft_model, max_num_seqs, max_model_len, compile=compile, cpu_attention=cpu_attention,
                            cpu_linear=cpu_linear, cpu_decoder=cpu_decoder, cuda_graphs=cuda_graphs, tree=tree,
                            linear_plan=linear_plan)
@@ -181,7 +182,7 @@ def make_engine(target, kind="none", draft_model=None, max_num_seqs=4, max_model
     # the test's model stays the plain Hugging Face reference (generate, top-2 gaps).
     return SpecEngine(build_runner(copy.deepcopy(target), max_num_seqs, max_model_len, compile=compile,
                                    cpu_attention=cpu_attention, cpu_linear=cpu_linear, cpu_decoder=cpu_decoder,
-                                   cuda_graphs=cuda_graphs, linear_plan=linear_plan, **(target_switches or {})),
+                                   cuda_graphs=cuda_graphs, linear_plan=linear_plan, tp=tp, **(target_switches or {})),
                       drafter, cfg, list(eos), decode,
                       drafting=DraftingConfig(method=drafting_method(kind), num_speculative_tokens=g, adaptive=adaptive,
                                               forced_tokens=forced_tokens, tree=tree),

@@ -40,7 +40,7 @@ def load_model_shard(spec: ModelSpec, size: int, rank: int):
                                                  trust_remote_code=spec.trust_remote_code)
     _fill(model, model_dir, split, DTYPES[spec.dtype], spec.device)
     _rebuild_buffers(model, spec.device)
-    localize_model(model, split, text_config(model.config))
+    localize_model(model, split)
     if (model_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(model_dir, **common)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **common)

@@ -48,6 +48,7 @@ import pytest
 import torch
 
 import pipeline.engine.engine as engine_module
+from conftest import tiers
 from pipeline.engine import DraftingConfig, EngineConfig, SamplingParams, SuffixParams, TreeParams
 from pipeline.errors import ConfigError
 from pipeline.job.config import load_config
@@ -267,11 +268,14 @@ class RowResult:
         return collections.Counter(map(tuple, self.outputs.values()))
 
 
-def build(models, grammars, drafting: Drafting, slots: int):
+def build(models, grammars, drafting: Drafting, slots: int, replica=None):
+    """The cell's engine; replica (tp_util.Replica): the target split over its ranks."""
     target, draft = models
     cfg = drafting.config()
-    engine = assemble_engine(copy.deepcopy(target), copy.deepcopy(draft) if cfg.uses_draft_model else None, cfg,
-                             EngineConfig(max_num_seqs=slots, max_model_len=32), eos=[TINY_EOS], grammars=grammars)
+    engine = assemble_engine(replica.shard(target) if replica else copy.deepcopy(target),
+                             copy.deepcopy(draft) if cfg.uses_draft_model else None, cfg,
+                             EngineConfig(max_num_seqs=slots, max_model_len=32), eos=[TINY_EOS], grammars=grammars,
+                             tp=replica.tp if replica else None)
     for key, value in COSTS.items():
         setattr(engine.costs, key, value)
     engine.costs.ema = 0.0
@@ -399,6 +403,39 @@ def test_cell(cell, cell_results, reference, greedy_prompts):
             assert all(law.get(out, 0.0) > 0 for out in res.counts()), f"{row.name}: an impossible output"
 
 
+# ---- the same at two ranks ---------------------------------------------------------------------------
+# Mixed runs (every row kind beside the cell's) at tensor_parallel_size 2: the draft model's drawn q
+# beside the suffix index's under a grammar, adaptive n-gram trees, and penalties with one-hot q. Their
+# sampled cells are tested at FAMILY_ALPHA / 3 each: a correct engine fails one with probability at most
+# 1e-4; the other row kinds of each run are fillers (possible outputs only), the greedy ones exact.
+TP_CELLS = ("hybrid-suffix-q:drawn-lookup:drawn-path-fixed-forced/regex-plain-t07/batch-mixed",
+            "ngram-tree-adaptive-forced/free-plain-t1/batch-mixed",
+            "hybrid-suffix-q:one-hot-lookup:one-hot-path-adaptive-unforced/regex-penalised-t1/batch-mixed")
+
+
+@pytest.fixture(scope="module")
+def replica(enumerable_models, tmp_path_factory):
+    from tp_util import Replica, save_model
+    r = Replica(save_model(enumerable_models[0], tmp_path_factory.mktemp("enumerable")), 2)
+    yield r
+    assert r.close() == [0]
+
+
+@pytest.mark.parametrize("name", tiers(TP_CELLS, {TP_CELLS[1]}))
+def test_cell_at_two_ranks(name, enumerable_models, grammars, reference, greedy_prompts, replica):
+    cell = next(c for c in ALL_CELLS if c.name == name)
+    tp_cells = [c for c in ALL_CELLS if c.name in TP_CELLS]
+    results = run(build(enumerable_models, grammars, cell.drafting, MIXED_SLOTS, replica),
+                  run_plan(cell, tp_cells), greedy_prompts)
+    check_row(cell, results[cell.row], reference, greedy_prompts, FAMILY_ALPHA / len(TP_CELLS))
+    for row, res in results.items():
+        if row.is_greedy:
+            check_row(Cell(cell.drafting, row, cell.batch), res, reference, greedy_prompts, FAMILY_ALPHA)
+        elif row != cell.row:
+            law = reference.law(row)
+            assert all(law.get(out, 0.0) > 0 for out in res.counts()), f"{row.name}: an impossible output"
+
+
 # ---- the matrix is the config's space ----------------------------------------------------------------
 RAW_KEYS = {
     "method": ["none", "ngram", "suffix", "draft", "hybrid"],
@@ -467,9 +504,10 @@ def cell(drafting: Drafting, row: str, batch: str = "1") -> Cell:
     return Cell(drafting, next(r for r in ROWS if r.name == row), batch)
 
 
-def assert_caught(c: Cell, models, grammars, reference, match: str) -> None:
+def assert_caught(c: Cell, models, grammars, reference, match: str, replica=None) -> None:
     """The cell, run alone under the mutant, fails its check at the full product's level."""
-    res = run(build(models, grammars, c.drafting, 1 if c.batch == "1" else MIXED_SLOTS), {c.row: N}, [])[c.row]
+    res = run(build(models, grammars, c.drafting, 1 if c.batch == "1" else MIXED_SLOTS, replica), {c.row: N},
+              [])[c.row]
     with pytest.raises(AssertionError, match=match):
         check_row(c, res, reference, [], FAMILY_ALPHA / M_FULL)
 
@@ -489,6 +527,15 @@ def test_mutant_residual_not_updated_between_siblings_is_caught(enumerable_model
     monkeypatch.setattr(verify_tree, "_residual", lambda rows, total, q_rows: rows)
     assert_caught(cell(Drafting("suffix", lookup_q="one-hot", shape="tree"), "free-plain-t1"), enumerable_models,
                   grammars, reference, "p-value")
+
+
+def test_mutant_residual_not_updated_between_siblings_is_caught_at_two_ranks(enumerable_models, grammars, reference,
+                                                                             monkeypatch, replica):
+    from pipeline.engine.core import verify_tree
+    monkeypatch.setattr(verify_tree, "_residual", lambda rows, total, q_rows: rows)
+    """The same mutant, its cell's rows 32 at once, over 2 ranks."""
+    assert_caught(cell(Drafting("suffix", lookup_q="one-hot", shape="tree"), "free-plain-t1", "mixed"),
+                  enumerable_models, grammars, reference, "p-value", replica)
 
 
 @pytest.mark.slow

@@ -466,10 +466,11 @@ class ModelRunner:
 
 
 def build_runner(model, num_slots: int, max_model_len: int, *, compile: str = "off", cuda_graphs: str = "off",
-                 **switches) -> ModelRunner:
+                 tp: TensorParallel | None = None, **switches) -> ModelRunner:
     """A runner with the per-kernel switches set one by one (Kernels' fields; cuda_graphs may also be
-    UNCAPTURED): the seam tests and benchmarks use to force a path. Jobs build runners from their config."""
+    UNCAPTURED): the seam tests and benchmarks use to force a path (tp: of a rank's shard). Jobs build
+    runners from their config."""
     uncaptured = cuda_graphs == UNCAPTURED
     config = EngineConfig(max_num_seqs=num_slots, max_model_len=max_model_len, compile=compile,
                           cuda_graphs="off" if uncaptured else cuda_graphs)
-    return ModelRunner(model, config, Kernels(**switches, uncaptured_graphs=uncaptured))
+    return ModelRunner(model, config, Kernels(**switches, uncaptured_graphs=uncaptured), tp=tp)

@@ -132,7 +132,13 @@ class Split:
                 f"{self.vocab_part.start}-{self.vocab_part.stop - 1}")
 
 
-def shard_model(model: nn.Module, split: Split, cfg) -> nn.Module:
+def decoder_config(model: nn.Module):
+    """The model's decoder config (a multimodal model's text part; the config itself otherwise)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def shard_model(model: nn.Module, split: Split) -> nn.Module:
     """Cut a model loaded whole to `split`'s part, in place (tied embeddings are untied: the LM head
     keeps its vocabulary part, the embedding stays whole). Returns the model."""
     if split.size == 1:
@@ -144,7 +150,7 @@ def shard_model(model: nn.Module, split: Split, cfg) -> nn.Module:
         data = (torch.zeros_like(param) if part is None
                 else param.detach().narrow(part[0], part[1], part[2] - part[1]).clone())
         set_parameter(model, name, data)
-    localize_model(model, split, cfg)
+    localize_model(model, split)
     return model
 
 
@@ -157,9 +163,9 @@ def set_parameter(model: nn.Module, name: str, data: torch.Tensor) -> None:
         module.out_features, module.in_features = data.shape
 
 
-def localize_model(model: nn.Module, split: Split, cfg) -> None:
+def localize_model(model: nn.Module, split: Split) -> None:
     """The model's config and attention modules told their rank's sizes (after its weights are cut)."""
-    split.localize(cfg)
+    split.localize(decoder_config(model))
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False
     groups = len(split.q) // len(split.kv)
