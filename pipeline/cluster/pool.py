@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
 from ..job.config import JobConfig
+from .faults import FaultPlan
 from .rank import RankWorker
 from .worker import GenerationWorker, WorkerBroken
 
@@ -119,8 +120,10 @@ class WorkerPool:
                                         group, placement_group_bundle_index=rank))
         actor = ray.remote(GenerationWorker).options(max_concurrency=self.max_units + 3, **options(0)).remote(
             self.cfg, name, index, incarnation)
-        ranks = [ray.remote(RankWorker).options(**options(r)).remote(self.cfg, f"{name}.r{r}", r, index, incarnation)
-                 for r in range(1, size)]
+        threads = max(1, int(c.num_cpus_per_worker))
+        ranks = [ray.remote(RankWorker).options(**options(r)).remote(
+            self.cfg.models, self.cfg.storage, threads, c.load_timeout_s, r,
+            FaultPlan.for_rank(self.cfg.debug, index, incarnation, r, size)) for r in range(1, size)]
         address = actor.rendezvous.remote() if size > 1 else None
         w = Worker(name, index, incarnation, actor, group, group.ready(), actor.ping.remote(), actor.load.remote(address),
                    self.clock(), ranks=ranks, rank_refs={a.serve.remote(address): r for r, a in enumerate(ranks, 1)})

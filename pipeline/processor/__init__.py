@@ -19,6 +19,7 @@ Knows Ray Data's Dataset API; the row contract is rows.py's, the replica stage.p
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -50,12 +51,15 @@ class Processor:
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
         lo, hi = cfg.concurrency
+        ranks = cfg.models.tensor_parallel_size
         cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
-        if cpus and lo * cfg.num_cpus >= cpus:
-            log.warning("the processor's %d replica(s) x %s CPUs take all %s CPUs of the cluster: Ray Data's read "
-                        "and write tasks get none and the dataset waits until the cluster grows; give the "
-                        "replicas fewer CPUs (num_cpus) or the cluster more", lo, cfg.num_cpus, cpus)
+        if cpus and lo * ranks * cfg.num_cpus >= cpus:
+            log.warning("the processor's %d replica(s) x %d rank(s) x %s CPUs take all %s CPUs of the cluster: Ray "
+                        "Data's read and write tasks get none and the dataset waits until the cluster grows; give "
+                        "the replicas fewer CPUs (num_cpus) or the cluster more", lo, ranks, cfg.num_cpus, cpus)
         remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
+        if ranks > 1:       # each replica's ranks in a placement group of its own (rank 0: the stage, bundle 0)
+            remote["ray_remote_args_fn"] = functools.partial(replica_placement, ranks, cfg.num_cpus, cfg.num_gpus)
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type
         # max_concurrency: the replica's calls running at once (each awaits its rows on the one engine);
@@ -79,6 +83,16 @@ def build_processor(config: SpecpipeProcessorConfig, preprocess: Optional[Callab
     if unsupported:
         raise TypeError(f"build_processor: unsupported arguments {sorted(unsupported)}")
     return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
+
+
+def replica_placement(ranks: int, num_cpus: float, num_gpus: float) -> dict:
+    """A new replica's Ray options: a STRICT_PACK placement group of one bundle per rank, the stage in
+    bundle 0 (its ranks take the others: stage.py)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    group = placement_group([bundle] * ranks, strategy="STRICT_PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
 
 
 def _prepare_rounds_log(config: SpecpipeProcessorConfig) -> None:

@@ -56,6 +56,9 @@ class SpecpipeProcessorConfig:
                                             # `python -m pipeline.report <rounds_path>/<run_id>`
     run_id: str = "processor"               # the rounds log's run folder under rounds_path
     storage: Any = field(default_factory=StorageConfig)        # object-store access for rounds_path
+    startup_timeout_s: float = 900          # tensor parallel: a replica's ranks must load and join by then
+    collective_timeout_s: float = 120       # tensor parallel: a collective between a replica's ranks not
+                                            # done by then ends the replica (Ray Data restarts it)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
@@ -67,6 +70,9 @@ class SpecpipeProcessorConfig:
         self.concurrency = replicas(self.concurrency)
         if not (isinstance(self.num_cpus, (int, float)) and self.num_cpus > 0):
             raise ConfigError(f"num_cpus: expected a number > 0, got {self.num_cpus!r}")
+        for key in ("startup_timeout_s", "collective_timeout_s"):
+            if not (isinstance(getattr(self, key), (int, float)) and getattr(self, key) > 0):
+                raise ConfigError(f"{key}: expected a number of seconds > 0, got {getattr(self, key)!r}")
         if not (isinstance(self.num_gpus, (int, float)) and self.num_gpus >= 0):
             raise ConfigError(f"num_gpus: expected a number >= 0, got {self.num_gpus!r}")
         if self.models.device.startswith("cuda") and self.num_gpus <= 0:

@@ -124,8 +124,9 @@ class SpecpipeStage:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"   # tokenizing between steps; its pool would spin
         torch.set_num_threads(config.threads)
         t0 = time.perf_counter()
-        self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage)
         self.name = f"replica-{uuid.uuid4().hex[:8]}"
+        self.tp = self._ranks() if config.models.tensor_parallel_size > 1 else None
+        self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage, tp=self.tp)
         self._ids = itertools.count()
         self._in_flight: set[str] = set()
         self._rounds: dict[str, list[dict]] = {}        # request id -> its round rows (rounds log only)
@@ -137,9 +138,48 @@ class SpecpipeStage:
                        "model_dtype": self.loaded.dtype.dtype, "drafter": config.drafting.method,
                        "config_hash": config_digest(config), "run_id": config.run_id}
         self._t0, self._last_log = time.perf_counter(), time.perf_counter()
-        log.info("%s loaded in %.1f s: %s; max_num_seqs %d%s", self.name, time.perf_counter() - t0,
+        log.info("%s loaded in %.1f s: %s; max_num_seqs %d%s%s", self.name, time.perf_counter() - t0,
                  "; ".join(self.loaded.plan_lines()), self.loaded.engine.config.max_num_seqs,
-                 f" ({self.loaded.slots_reason})" if self.loaded.slots_reason else "")
+                 f" ({self.loaded.slots_reason})" if self.loaded.slots_reason else "", self._ranks_line())
+
+    def _ranks(self):
+        """Tensor parallel: ranks 1..N-1 started in this replica's placement group (bundles 1..N-1;
+        build_processor reserves it), rank 0's place once all have joined. A rank that dies ends this
+        replica's process, which Ray Data restarts, as it does a replica lost any other way."""
+        import ray
+
+        from ..cluster.rank import start_ranks
+        from ..job.replica import open_replica
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise RuntimeError("models.tensor_parallel_size > 1: the replica must run in its placement group "
+                               "(build_processor reserves one per replica)")
+        c, timeout = self.config, self.config.collective_timeout_s
+        address, store, self._rank_refs, self._rank_actors = start_ranks(
+            c.models, c.storage, c.num_cpus, c.num_gpus, c.startup_timeout_s, group, ray.util.get_node_ip_address())
+        threading.Thread(target=self._watch_ranks, name="specpipe-ranks", daemon=True).start()
+        return open_replica(address, c.models.tensor_parallel_size, c.models.device, c.startup_timeout_s, timeout,
+                            store=store)
+
+    def _watch_ranks(self) -> None:
+        """A rank's serve() ending while this replica lives means the rank is gone: this process ends
+        too (its rows are retried on the restarted replica)."""
+        import ray
+        done, _ = ray.wait(list(self._rank_refs), num_returns=1, timeout=None)
+        try:
+            ray.get(done[0])
+            why = "left"
+        except Exception as e:  # noqa: BLE001 -- any end of a rank ends the replica
+            why = f"died: {type(e).__name__}"
+        log.error("%s: tensor-parallel rank %d %s; the replica ends", self.name, self._rank_refs[done[0]], why)
+        os._exit(1)
+
+    def _ranks_line(self) -> str:
+        if self.tp is None:
+            return ""
+        held = ", ".join(f"rank {r} holds {b / 2**20:.1f} MiB" for r, b in sorted(self.tp.weight_bytes.items()))
+        return (f"; {self.tp.size} ranks on {self.config.models.device} over {self.tp.group.backend} "
+                f"(weights: {held})")
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
