@@ -33,7 +33,7 @@ def serve_rank(spec: ModelSpec, address: str, rank: int, size: int, startup_time
                after_step=lambda steps: None) -> int:
     """Rank `rank` (>= 1) of a replica: its part of the target loaded, then each step rank 0 sends run,
     until rank 0 says stop (returns the steps run) or is gone (RankLost)."""
-    model, _, _ = load_model_shard(spec, size, rank)
+    model, _, _ = load_model_shard(spec, size, rank, tokenizer=False)
     group = RankGroup.join(address, rank, size, spec.device, startup_timeout_s)
     tp, held = TensorParallel(group), weight_bytes(model)       # as loaded, before kernels repack them
     try:

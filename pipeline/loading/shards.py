@@ -26,9 +26,10 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def load_model_shard(spec: ModelSpec, size: int, rank: int):
+def load_model_shard(spec: ModelSpec, size: int, rank: int, tokenizer: bool = True):
     """(model, tokenizer, split): rank `rank` of `size`'s part of the model, in spec.dtype on spec.device,
-    in eval mode. ValueError (naming models.tensor_parallel_size) where the model cannot be split so."""
+    in eval mode (tokenizer False: None in its place, as the ranks that only run forwards need).
+    ValueError (naming models.tensor_parallel_size) where the model cannot be split so."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     model_dir = resolve_hf_dir(spec.source, spec.storage_options)
@@ -43,8 +44,7 @@ def load_model_shard(spec: ModelSpec, size: int, rank: int):
     localize_model(model, split)
     if (model_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(model_dir, **common)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, **common)
-    return model.eval(), tokenizer, split
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir, **common) if tokenizer else None, split
 
 
 def _fill(model: nn.Module, model_dir: Path, split: Split, dtype: torch.dtype, device: str) -> None:

@@ -44,14 +44,20 @@ def replica(target_dir):
     assert r.close() == [0]
 
 
-GRID = [(kind, 16) for kind in (*DRAFTERS, "suffix-tree")] + [("none", 1), ("draft-prob", 1)]
+GRID = ([(kind, 16, "cpu-loop") for kind in (*DRAFTERS, "suffix-tree")]
+        + [("none", 1, "cpu-loop"), ("draft-prob", 1, "cpu-loop"), ("hybrid", 16, "modules"), ("none", 1, "modules")])
 
 
-@pytest.mark.parametrize("kind,batch_size", tiers(GRID, {("hybrid", 16)}))
-def test_greedy_identity_at_two_ranks(replica, target_model, draft_model, prompts, references, kind, batch_size):
+@pytest.mark.parametrize("kind,batch_size,decoder", tiers(GRID, {("hybrid", 16, "cpu-loop"), ("hybrid", 16, "modules")}))
+def test_greedy_identity_at_two_ranks(replica, target_model, draft_model, prompts, references, kind, batch_size,
+                                      decoder):
+    """decoder: the forward as our CPU loop (its collectives called in the loop) or the model's modules
+    (in their forward hooks); rank 1 takes the path rank 0 took."""
     tree = TreeParams(max_tokens=6, max_branches=3) if kind == "suffix-tree" else TreeParams()
     engine = make_engine(replica.shard(target_model), kind.removesuffix("-tree"), draft_model,
-                         max_num_seqs=batch_size, max_model_len=128, tree=tree, tp=replica.tp)
+                         max_num_seqs=batch_size, max_model_len=128, tree=tree, tp=replica.tp,
+                         cpu_decoder="on" if decoder == "cpu-loop" else "off")
+    assert engine.target.plan.decoder == decoder
     done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), arrive_every=3)
     outputs = [done[str(i)].output_ids for i in range(NUM_PROMPTS)]
     assert near_tie_mismatches(target_model, prompts, outputs, references) <= 1

@@ -58,9 +58,10 @@ class ModelRunner:
 
     tp: the runner's place in a tensor-parallel replica (parallel/): `model` is then this rank's shard,
     its attention and MLP outputs all-reduced and its logits gathered on rank 0, and on rank 0 every
-    forward and KV move is first sent to the other ranks (parallel/steps.py). At more than one rank the
-    forward runs the model's modules with our kernels in them (not the CPU loop, compiled layers or
-    CUDA graphs, which have no collectives), and auto slots are bounded by memory, not measured."""
+    forward and KV move is first sent to the other ranks (parallel/steps.py), with the forward path
+    rank 0 chose (the CPU loop or the modules), so every rank runs the same collectives. At more than
+    one rank compiled layers and CUDA graphs stay off (they hold no collectives), and auto slots are
+    bounded by memory, not measured."""
 
     def __init__(self, model, config: EngineConfig | None = None, kernels: Kernels | None = None,
                  beside: tuple = (), tp: TensorParallel | None = None):
@@ -72,7 +73,7 @@ class ModelRunner:
         if self.tp is not None:
             if kernels.linear_plan is not None:
                 raise ValueError("a forced linear_plan is not sent to a tensor-parallel replica's ranks")
-            kernels = replace(kernels, cpu_decoder="off", compiled_layers="off", uncaptured_graphs=False)
+            kernels = replace(kernels, compiled_layers="off", uncaptured_graphs=False)
             config = replace(config, cuda_graphs="off")
         cfg = text_config(model.config)
         head_size = head_dim(cfg)
@@ -129,7 +130,8 @@ class ModelRunner:
         if measure:
             self._fit_slots()
         if self.tp is not None and self.tp.peers is not None:     # rank 0: the other ranks build theirs
-            kernel_fields = {k: v for k, v in asdict(kernels).items() if k != "linear_plan"}
+            kernel_fields = {**{k: v for k, v in asdict(kernels).items() if k != "linear_plan"},
+                             "cpu_decoder": "off" if self.decoder is None else "on"}
             self.tp.weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s,
                                                          self.weight_bytes)
 
@@ -234,7 +236,8 @@ class ModelRunner:
         # With all of the above in place: the forward as one loop over those kernels, RoPE and the KV
         # write in one pass, q/k/v as one linear; the same numbers as the model's forward, without its glue.
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
-                                          self.max_model_len, active_sliding_window(model.config))
+                                          self.max_model_len, active_sliding_window(model.config),
+                                          *((self.tp.group.all_reduce, self.tp.group.gather_last) if self.tp else ()))
         # Each decoder layer compiled (its norms, RoPE, residual adds and SiLU product fused): where the
         # modules run the forward (no CPU loop), on CUDA by default
         self.compiled_layers = compile_layers(model) if chosen.compiled_layers and self.decoder is None else 0

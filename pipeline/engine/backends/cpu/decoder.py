@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -167,7 +168,11 @@ class CpuDecoder:
     """The model's forward over the slot store as one loop of kernel calls (`unsupported()` first)."""
 
     def __init__(self, model: nn.Module, family: Family, cache: SlotKVCache, attention: CpuAttention,
-                 ops: FusedOps):
+                 ops: FusedOps, reduce: Callable | None = None, gather: Callable | None = None):
+        # a tensor-parallel rank's collectives: reduce(x) sums a row-parallel output over the ranks (in
+        # place), gather(logits) joins the vocabulary parts on rank 0 (where the LM head is a planned
+        # linear; a module LM head gathers in its own forward hook)
+        self.reduce, self.gather = reduce or (lambda x: x), gather or (lambda x: x)
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
         self.final_norm = Norm.of(model.model.norm)
@@ -230,19 +235,21 @@ class CpuDecoder:
             if i == last and logits == "none":
                 return None                   # the rest of the last layer feeds only the logits
             a = self.attention(q, cache.keys[i], cache.values[i], lay.row_table, layer.scale, bits, check)
-            a = layer.o_proj.run(a.to(self.dtype).view(a.shape[0], -1))
+            a = self.reduce(layer.o_proj.run(a.to(self.dtype).view(a.shape[0], -1)))
             h = ops.add_rms_norm(residual, a, layer.post_norm.weight, layer.post_norm.eps, check)
-            m = self._mlp(layer, h)
+            m = self.reduce(self._mlp(layer, h))
             norm = self.layers[i + 1].input_norm if i < last else self.final_norm
             h = ops.add_rms_norm(residual, m, norm.weight, norm.eps, check)
         if logits == "last":
             h = h[lay.row_ends]
-        return self.lm_head.run(h) if type(self.lm_head) is PlannedLinear else self.lm_head(h)
+        return self.gather(self.lm_head.run(h)) if type(self.lm_head) is PlannedLinear else self.lm_head(h)
 
 
 def policy(mode: str, model: nn.Module, cache: SlotKVCache, attention: CpuAttention | None,
-           ops: FusedOps | None, max_model_len: int, sliding_window: int | None = None) -> CpuDecoder | None:
+           ops: FusedOps | None, max_model_len: int, sliding_window: int | None = None,
+           reduce: Callable | None = None, gather: Callable | None = None) -> CpuDecoder | None:
     """The loop a runner uses under its switch cpu_decoder = mode: auto (where `unsupported` says nothing),
-    on (raises with its reason where not), off (None: the model's forward)."""
+    on (raises with its reason where not), off (None: the model's forward). reduce, gather: a
+    tensor-parallel rank's collectives (CpuDecoder)."""
     return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, max_model_len, sliding_window),
-                  lambda: CpuDecoder(model, family_of(model), cache, attention, ops))
+                  lambda: CpuDecoder(model, family_of(model), cache, attention, ops, reduce, gather))
