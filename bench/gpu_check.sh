@@ -11,6 +11,10 @@
 #    MODEL_DIRs: HF safetensors directories), in parts ordered by value: batch 1 against HF generate with its
 #    static cache; plain decoding 64 and 256 at once next to the HBM and compute floors; a profiler summary of
 #    the last model at batch 1 and 64; then drafters / compile / CUDA graphs as the budget allows.
+# 4. with 2+ GPUs: python3 -m bench.tp_bench, tensor parallel over 2 GPUs (NCCL) against one, on the random-init
+#    Llama-3-8B shape at batch 1 and 64 at once, within GPU_CHECK_TP_S (default 300 s, beyond the total above;
+#    GPU_CHECK_TP_ARGS replaces its arguments: a CPU dry run with gloo is
+#    GPU_CHECK_TP_ARGS="--device cpu --dtype float32 --shape tiny --batches 1 4 --max-tokens 8 --repeats 1").
 # A MODEL_DIR that does not exist is reported and skipped. Everything fits in GPU_CHECK_TOTAL_S
 # (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest (no run starts in
 # the last 60 s; one still going 10 s before the end is cut, its JSON holding every run finished before).
@@ -94,6 +98,19 @@ else
     BENCH_RC=${PIPESTATUS[0]}
     [ "$BENCH_RC" -eq 124 ] && log "benchmark: cut by timeout (results so far are in gpu_bench.json)"
 fi
-log "done: tests exit $TEST_RC, benchmark exit $BENCH_RC; logs and JSON in $LOGDIR"
+TP_RC=0
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+if [ "${GPUS:-0}" -ge 2 ] || [ -n "${GPU_CHECK_TP_ARGS:-}" ]; then
+    log "== tensor parallel: bench/tp_bench.py, 2 ranks against 1 (at most ${GPU_CHECK_TP_S:-300} s; log: $LOGDIR/tp_bench.log)"
+    # shellcheck disable=SC2086
+    timeout "${GPU_CHECK_TP_S:-300}" "$PY" -m bench.tp_bench \
+        ${GPU_CHECK_TP_ARGS:---device cuda --shape llama-3-8b-shape --batches 1 64 --max-tokens 64 --repeats 1} \
+        --out "$LOGDIR/tp_bench.json" 2>&1 | tee "$LOGDIR/tp_bench.log"
+    TP_RC=${PIPESTATUS[0]}
+else
+    log "== tensor parallel: skipped (${GPUS:-0} GPU; it needs 2)"
+fi
+log "done: tests exit $TEST_RC, benchmark exit $BENCH_RC, tensor parallel exit $TP_RC; logs and JSON in $LOGDIR"
 [ "$TEST_RC" -ne 0 ] && exit "$TEST_RC"
-exit "$BENCH_RC"
+[ "$BENCH_RC" -ne 0 ] && exit "$BENCH_RC"
+exit "$TP_RC"

@@ -62,7 +62,10 @@ def _fill(model: nn.Module, model_dir: Path, split: Split, dtype: torch.dtype, d
                 missing.discard(name)
             head = "lm_head.weight"
             if head in missing and embed in names and getattr(model.config, "tie_word_embeddings", False):
-                _assign(model, head, _read(f, embed, split, head), split, dtype, device)
+                if split.size == 1:              # one rank: the head is the embedding itself, held once
+                    model.get_output_embeddings().weight = model.get_input_embeddings().weight
+                else:
+                    _assign(model, head, _read(f, embed, split, head), split, dtype, device)
                 missing.discard(head)
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint has no tensor for {sorted(missing)[:5]} "

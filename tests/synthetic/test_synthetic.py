@@ -394,3 +394,18 @@ def test_a_run_that_died_is_resumed(local_slot, tiny_model_dir, ray_head, tmp_pa
     assert texts == first
     assert len(list((tmp_path / "out" / f"slot={SLOT}" / "_input").iterdir())) == 1     # nothing stray
     assert len(list((tmp_path / "out" / f"slot={SLOT}" / "_lease").glob("*.json"))) == 4   # 1 killed, 2 refused
+
+
+@pytest.mark.slow
+def test_a_slot_at_two_tensor_parallel_ranks_writes_the_greedy_rows_of_one(local_slot, tmp_path, capsys):
+    """The same slot with models.tensor_parallel_size 2 (each worker 2 rank actors, gloo): it commits the
+    same rows, and its greedy templates' tokens are those of the one-rank slot (fp32)."""
+    config, out, rc, _ = local_slot
+    assert rc == 0
+    assert main(["--config", str(config), "--slot", SLOT, f"output.path={tmp_path / 'tp'}",
+                 "models.tensor_parallel_size=2"]) == 0, capsys.readouterr().out
+    run = f"slot={SLOT}/synthetic-{SLOT}/completions/*.parquet"
+    one, two = ({r["id"]: r for r in rows_of(root.glob(run))} for root in (out, tmp_path / "tp"))
+    assert sorted(two) == sorted(one) == EXPECTED_IDS
+    greedy = [i for i in one if i.split("/")[1] in ("greedy", "stopped", "record", "cut")]
+    assert greedy and all(two[i]["token_ids"] == one[i]["token_ids"] for i in greedy)
