@@ -14,7 +14,7 @@
 # 4. with 2+ GPUs: python3 -m bench.tp_bench, tensor parallel over 2 GPUs (NCCL) against one, on the random-init
 #    Llama-3-8B shape at batch 1 and 64 at once, within GPU_CHECK_TP_S (default 300 s, beyond the total above;
 #    GPU_CHECK_TP_ARGS replaces its arguments: a CPU dry run with gloo is
-#    GPU_CHECK_TP_ARGS="--device cpu --dtype float32 --shape tiny --batches 1 4 --max-tokens 8 --repeats 1").
+#    GPU_CHECK_TP_ARGS="--device cpu --dtype float32 --shape tiny --batches 4 --max-tokens 8 --repeats 1").
 # A MODEL_DIR that does not exist is reported and skipped. Everything fits in GPU_CHECK_TOTAL_S
 # (default 480 s): the tests get at most GPU_CHECK_TEST_S (210 s), the benchmark the rest (no run starts in
 # the last 60 s; one still going 10 s before the end is cut, its JSON holding every run finished before).

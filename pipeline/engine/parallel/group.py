@@ -6,10 +6,11 @@ replicas (and tests) can hold groups in one process. Its collectives are the few
 needs: the row-parallel all-reduce, the vocabulary-split logits gathered on rank 0, and rank 0's
 step header broadcast to the others.
 
-Every collective here is point-to-point sends and receives, which gloo runs at a tenth of the
-latency of its own all-reduce for a decoding step's small tensors (0.11 vs 1.6 ms between two
-processes of a 2-core machine; a forward does two per layer): the all-reduce is each rank's tensor
-sent to every other rank and the parts summed in rank order, so every rank holds the same bits.
+Every collective here is point-to-point sends and receives, which gloo runs at a third to a fifth of
+the latency of its own all-reduce for a decoding step's small tensors (0.2-0.45 vs 0.95-1.6 ms for
+896 floats between two processes of a 2-core machine: bench/research/allreduce.py; a forward does two
+per layer): the all-reduce is each rank's tensor sent to every other rank and the parts summed in rank
+order, so every rank holds the same bits.
 Beyond EXCHANGE_MAX_RANKS ranks the library's all-reduce (a ring: less data per rank) runs instead.
 
 A collective that fails (a peer's process died: its sockets close) or waits past the timeout raises
