@@ -247,8 +247,17 @@ class WorkerPool:
             cause = cause_of(e)
         except RayActorError as e:
             cause = f"actor died: {cause_of(e)}"
+        cause += self._ranks_gone(w)
         others = self.retire(w, cause, replace=True)
         return Outcome(failed=[(u, cause) for u in [unit] + others])
+
+    def _ranks_gone(self, w: Worker, wait_s: float = 2.0) -> str:
+        """Tensor parallel: '; rank k died' for each rank of w's replica whose serve() has ended (within
+        wait_s: a dead rank's end reaches Ray a moment after rank 0 saw its sockets close)."""
+        if not w.rank_refs:
+            return ""
+        ended, _ = ray.wait(list(w.rank_refs), num_returns=len(w.rank_refs), timeout=wait_s)
+        return "".join(f"; rank {w.rank_refs[ref]} died" for ref in ended)
 
     def _on_rank_gone(self, w: Worker, ref) -> Outcome:
         """A rank's serve() ended while its replica lived: the replica is lost (its units re-queued,

@@ -89,12 +89,13 @@ class RankGroup:
         if self.backend == "gloo":
             self.pg.set_timeout(_seconds(timeout_s))
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, peer: int | None = None) -> None:
         try:
             work.wait()
         except RuntimeError as e:
+            who = f"rank {peer}" if peer is not None else "a rank"
             raise RankLost(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
-                           f"({self.backend}): a rank died or stopped answering: {e}") from None
+                           f"({self.backend}): {who} died or stopped answering: {e}") from None
 
     def _call(self, what: str, fn, *args) -> None:
         t0 = time.perf_counter()
@@ -110,13 +111,13 @@ class RankGroup:
         """Send sends[r] to rank r and receive recvs[r] from rank r, all at once."""
         t0 = time.perf_counter()
         try:
-            works = ([self.pg.send([t], r, 0) for r, t in sends.items()]
-                     + [self.pg.recv([t], r, 0) for r, t in recvs.items()])
+            works = ([(r, self.pg.send([t], r, 0)) for r, t in sends.items()]
+                     + [(r, self.pg.recv([t], r, 0)) for r, t in recvs.items()])
         except RuntimeError as e:
             raise RankLost(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
                            f"({self.backend}): {e}") from None
-        for work in works:
-            self._wait(work, what)
+        for peer, work in works:
+            self._wait(work, what, peer)
         self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - t0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
