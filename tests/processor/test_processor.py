@@ -242,7 +242,7 @@ def test_processor_rank_killed_mid_run_every_row_answered_once(tiny_model_dir, r
 
     import ray.data
     from ray.util.state import list_actors
-    rows = prompt_rows(40, "k")
+    rows = prompt_rows(24, "k")
     cfg = processor_config(tiny_model_dir, models={"target": str(tiny_model_dir), "dtype": "float32",
                                                    "tensor_parallel_size": 2},
                            sampling={"max_tokens": 160, "temperature": 0.0}, batch_size=2)
