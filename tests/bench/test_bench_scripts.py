@@ -121,6 +121,7 @@ def test_drafter_sim_replays_the_suffix_walk(tmp_path, capsys, monkeypatch):
         assert float(line.split("tokens/round")[1].split()[0]) > 1.5, line
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_tensor_parallel_part_dry_runs_on_cpu(tmp_path):
     """gpu_check.sh's tensor-parallel part, as its CPU dry run (gloo, a tiny random-init model saved as
     safetensors): 2 ranks run and write the tokens of 1 (fp32), each rank holding less than the whole."""

@@ -214,6 +214,7 @@ def test_replicas_taking_every_cpu_are_warned_about(tiny_model_dir, ray_session,
     assert "take all" not in caplog.text
 
 
+@pytest.mark.slow
 def test_processor_at_two_ranks_writes_the_tokens_of_one(tiny_model_dir, ray_session):
     """models.tensor_parallel_size 2: each replica is 2 ranks (the stage in bundle 0 of its own
     STRICT_PACK placement group, its rank 1 in bundle 1, gloo between them); greedy tokens equal one
