@@ -15,7 +15,9 @@ import json
 
 from bench.prompts import build_prompt_ids
 from pipeline.loading.models import ModelSpec, load_model
-from pipeline.synthetic.job import expand, load_seeds, load_synthetic_config
+from pipeline.synthetic.config import load_synthetic_config
+from pipeline.synthetic.job import load_seeds
+from pipeline.synthetic.stages import expand
 
 
 def main() -> None:

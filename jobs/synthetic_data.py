@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.synthetic.schedule import ScheduleError  # noqa: E402
-from pipeline.synthetic.job import SeedError, load_synthetic_config, plan_slot, resolve_slot  # noqa: E402
+from pipeline.synthetic.config import load_synthetic_config  # noqa: E402
+from pipeline.synthetic.job import plan_slot, resolve_slot  # noqa: E402
+from pipeline.synthetic.stages import SeedError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -57,13 +59,25 @@ def run(plan, show: int) -> int:
         return code
     if result.summary is not None:
         print_summary(result.summary, show=show, storage=plan.job.storage)
-        q, s = result.slot_summary["quality"], result.slot_summary
-        print(f"quality: {q['checked']} completions checked: {q['empty']} empty, {q['truncated']} truncated, "
-              f"{q['duplicate']} duplicates, {q.get('invalid', 0)} invalid records (flagged, not dropped), "
-              f"{q['kept']} kept; {s['errors']} input rows "
-              f"failed{' ' + str(s['error_reasons']) if s['error_reasons'] else ''}; curated: {plan.url}/curated/")
+        for stage in result.slot_summary["stages"]:
+            print(stage_line(stage))
+        s = result.slot_summary
+        print(f"{s['errors']} input rows failed{' ' + str(s['error_reasons']) if s['error_reasons'] else ''}; "
+              f"dataset card: {plan.url}/README.md")
     print(result.message)
     return 0
+
+
+def stage_line(stage: dict) -> str:
+    """One stage's quality line: what it checked, flagged (not dropped) and kept."""
+    name = f"stage {stage['id']}" if stage["id"] else "quality"
+    q = stage["quality"]
+    if stage["kind"] == "judge":
+        return (f"{name}: {q['judged']} rows judged, {q['rejected']} rejected (flagged, not dropped), "
+                f"{q['kept']} kept; mean score {q['mean_score']}")
+    return (f"{name}: {q['checked']} completions checked: {q.get('empty', 0)} empty, {q.get('truncated', 0)} truncated, "
+            f"{q.get('duplicate', 0)} duplicates, {q.get('near_duplicate', 0)} near-duplicates, {q.get('invalid', 0)} "
+            f"invalid (flagged, not dropped), {q['kept']} kept")
 
 
 if __name__ == "__main__":

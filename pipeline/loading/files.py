@@ -246,3 +246,30 @@ def check_source(source: str) -> None:
         _require_safetensors(path)
         return
     raise _unknown_source(source)
+
+
+def provenance(source: str) -> dict:
+    """What identifies a model source's weights, cheaply, for a dataset's provenance: a shipped
+    model's packages and sha256, a hub id's revision, a URL as given, a local file's or folder's
+    weight files with their sizes and content fingerprints (gguf_fingerprint: both ends hashed)."""
+    if source in SHIPPED_MODELS:
+        entry = SHIPPED_MODELS[source]
+        packages = sorted({dist for dist, _ in entry.chunks})
+        return {"source": source, "kind": "shipped", "sha256": entry.sha256,
+                "packages": {p: _dist_version(p) for p in packages}}
+    if remote.is_url(source):
+        return {"source": source, "kind": "url"}
+    if remote.is_hub_id(source):
+        name, _, revision = source.partition("@")
+        return {"source": source, "kind": "hub", "repo": name, "revision": revision or "main"}
+    path = Path(source).expanduser()
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf"))
+    return {"source": source, "kind": "file" if path.is_file() else "folder",
+            "files": {f.name: {"bytes": f.stat().st_size, "fingerprint": gguf_fingerprint(f)} for f in files}}
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None

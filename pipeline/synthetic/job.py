@@ -30,17 +30,33 @@ The slot (schedule.py) comes from `--slot` or the schedule's clock. For one slot
    folder, run.run_id = `synthetic-<slot>` and input.passthrough_columns = slot, seed_id, template:
    every completions/rounds/errors row carries its slot. run_job's own run lease, plan guard,
    resume and manifest apply unchanged.
-5. Quality gate (quality.py): `curated/` beside the run, then `summary.json`, then
-   `_SUCCESS` in the slot folder, last. A slot is committed once its `_SUCCESS` exists; a later run
+5. Quality gate (quality.py): `curated/` and `kept/` beside the run, then the dataset card and
+   provenance (card.py), `summary.json`, then `_SUCCESS` in the slot folder, last. A slot is committed once its `_SUCCESS` exists; a later run
    for it, whatever its config, reads summary.json, changes nothing and exits 0 ("already committed
    by run ..."). An uncommitted slot started with another config or expansion is refused (exit 2).
 
-Layout under `<output.path>/slot=<slot>/` (hive-style: `slot=` folders):
+Stages (`synthetic.stages`): steps 3-5 run once per stage, in order, each in its own folder
+`stage=<id>/` with its own run (`synthetic-<slot>-<id>`), curated/ and kept/ tables, summary.json and
+`_SUCCESS`: a stage commits once, and a rerun after a crash skips the committed stages (their
+kept rows are the next stage's input, read back) and redoes only the rest. A later stage's rows
+are expanded from the kept rows of its input stage (stages.py); a judge stage's curated rows are
+the rows it judged with its score columns (quality.curate_judged). The slot's `_SUCCESS` comes
+after the last stage, the dataset card and provenance.
 
-    _lease/, _input/rows-<digest>.parquet     claim and expanded input (hidden: "_" prefix)
-    synthetic-<slot>/                         the run, as jobs/generate.py writes it
+Layout under `<output.path>/slot=<slot>/` (hive-style: `slot=` and `stage=` folders):
+
+    _lease/                                   the slot's claim (hidden: "_" prefix)
+    _input/rows-<digest>.parquet              a stage's expanded input
+    synthetic-<slot>/                         a stage's run, as jobs/generate.py writes it
     curated/<unit>.parquet                    completions + prompt, sample and quality columns
-    summary.json, _SUCCESS                    the slot's counts and provenance; written last
+    kept/<unit>.parquet                       the kept rows (what the card points at)
+    near_duplicates.parquet                   the rows' MinHash signatures (later slots check against them)
+    README.md, provenance.json                the dataset card and what made it (card.py)
+    summary.json, _SUCCESS                    the slot's counts; written last
+
+With stages, the five stage entries above live under `stage=<id>/` (runs `synthetic-<slot>-<id>`),
+each with its own summary.json and `_SUCCESS`; the card, provenance, summary and `_SUCCESS` of the
+slot stay at its top.
 
 Knows the seed set, templates, slots and the output layout; knows nothing about models or tensors
 (run_job does the generating).
@@ -48,24 +64,18 @@ Knows the seed set, templates, slots and the output layout; knows nothing about 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import posixpath
-import re
-import string
-import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Optional
+from dataclasses import dataclass
+from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from ..errors import ConfigError
 from ..io.lease import LeaseHeld, acquire, describe_holder, owner_info
-from ..io.reader import InputConfig, filesystem
+from ..io.reader import filesystem
 from ..io.storage import (
     StorageConfig,
     arrow_input,
@@ -75,142 +85,11 @@ from ..io.storage import (
     read_parquet,
     retrying,
 )
-from ..io.writer import OutputError, RunOutput
-from ..engine.core.request import RequestError, SamplingParams
-from ..engine.core.response_format import FormatError, parse_response_format
-from ..engine.grammar.library import check_format
-from ..job.config import JobConfig, RunConfig, load_config
+from ..io.writer import RunOutput
+from ..job.config import JobConfig
+from .config import TEMPLATE_ID, ScheduleConfig, StageConfig, SyntheticJobConfig, SyntheticSection, stage_sampling
 from .schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
-
-TEMPLATE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PASSTHROUGH = ["slot", "seed_id", "template"]
-INPUT_SCHEMA = pa.schema([
-    ("id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64()), ("temperature", pa.float64()),
-    ("max_tokens", pa.int64()), ("stop", pa.list_(pa.string())), ("slot", pa.string()),
-    ("seed_id", pa.string()), ("template", pa.string()), ("sample", pa.int64()),
-    ("response_format", pa.string())])
-INPUT_FIELDS_SET_BY_JOB = ("path", "format", "prompt_column", "messages_column", "id_column", "passthrough_columns")
-
-
-class SeedError(ValueError):
-    """The seed set cannot be read or expanded as configured; names the file, seed or template."""
-
-
-@dataclass
-class TemplateConfig:
-    id: str = ""                            # short name; part of every row id (letters, digits, . _ -)
-    text: str = ""                          # the user turn; {name} = the seed's column `name` ({text},
-                                            # {category}, {question}...), {{ and }} = literal braces
-    kinds: list[str] = field(default_factory=list)   # seed kinds it applies to; empty = every seed
-    samples: Optional[int] = None           # samples per seed; null = synthetic.samples_per_seed
-    temperature: Optional[float] = None     # per-row sampling overrides; null = the sampling section
-    max_tokens: Optional[int] = None
-    stop: Optional[list[str]] = None
-    response_format: Any = None             # the records' shape (a response_format object, e.g.
-                                            # {type: json_schema, json_schema: {...}}); null = free text;
-                                            # the quality gate flags rows that are not valid records
-
-    def fields(self) -> list[str]:
-        return [name for _, name, _, _ in string.Formatter().parse(self.text) if name is not None]
-
-    def check(self, key: str) -> None:
-        if not TEMPLATE_ID.fullmatch(self.id or ""):
-            raise ConfigError(f"{key}.id: expected 1-64 letters, digits, '.', '_' or '-', got {self.id!r}")
-        if not self.text.strip():
-            raise ConfigError(f"{key}.text: required")
-        try:
-            names = self.fields()
-        except ValueError as e:
-            raise ConfigError(f"{key}.text: {e} (use {{{{ and }}}} for literal braces)") from None
-        if any(not n.isidentifier() for n in names):
-            raise ConfigError(f"{key}.text: placeholders must be plain column names like {{text}}, got {names}")
-        if self.samples is not None and self.samples < 1:
-            raise ConfigError(f"{key}.samples: expected >= 1 or null, got {self.samples}")
-        if self.response_format is not None:
-            try:
-                fmt = parse_response_format(self.response_format)
-                if fmt is not None:
-                    check_format(fmt)
-            except FormatError as e:
-                raise ConfigError(f"{key}.response_format: {e}") from None
-            except RequestError as e:
-                raise ConfigError(f"{key}.{e}") from None
-
-    def format_json(self) -> str | None:
-        """The response_format as JSON text (the input rows' column), or None."""
-        fmt = parse_response_format(self.response_format)
-        return None if fmt is None else fmt.to_json()
-
-
-@dataclass
-class SyntheticSection:
-    seeds: str = "data/synthetic/seeds.parquet"  # Parquet or JSONL seed items (file or URL)
-    id_column: str = "seed_id"              # unique, non-empty id of each seed item
-    kind_column: str = "kind"               # selects templates (TemplateConfig.kinds); may be absent
-    seeds_per_slot: Optional[int] = None    # null = every seed; N = N seeds per slot, picked by a hash
-                                            # of (slot, seed id): slots rotate through the seed set
-    samples_per_seed: int = 2               # samples of each (seed, template); per-row seeds differ
-    templates: list[TemplateConfig] = field(default_factory=list)
-
-    def check(self, sampling: SamplingParams) -> None:
-        if not self.templates:
-            raise ConfigError("synthetic.templates: at least one template is required")
-        if self.samples_per_seed < 1 or (self.seeds_per_slot is not None and self.seeds_per_slot < 1):
-            raise ConfigError("synthetic.samples_per_seed/seeds_per_slot: expected >= 1")
-        ids = [t.id for t in self.templates]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"synthetic.templates: template ids must be unique, got {ids}")
-        for i, t in enumerate(self.templates):
-            t.check(f"synthetic.templates.{i}")
-            temperature = sampling.temperature if t.temperature is None else t.temperature
-            if temperature == 0 and self.samples(t) > 1:
-                raise ConfigError(f"synthetic.templates.{i}: {self.samples(t)} samples at temperature 0 would "
-                                  f"repeat one greedy completion; set samples: 1 or a temperature > 0")
-
-    def samples(self, t: TemplateConfig) -> int:
-        return self.samples_per_seed if t.samples is None else t.samples
-
-
-@dataclass
-class ScheduleConfig:
-    cron: Optional[str] = "0 * * * *"       # 5-field cron (or @hourly, @daily...); null = --slot required
-    timezone: str = "UTC"                   # IANA zone the cron and the slot names are read in
-
-    def __post_init__(self):
-        try:
-            if self.cron is not None:
-                parse_cron(self.cron)
-        except ScheduleError as e:
-            raise ConfigError(f"schedule.cron: {e}") from None
-        try:
-            zone(self.timezone)
-        except ScheduleError as e:
-            raise ConfigError(f"schedule.timezone: {e}") from None
-
-
-@dataclass
-class SyntheticJobConfig(JobConfig):
-    synthetic: SyntheticSection = field(default_factory=SyntheticSection)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-
-    def __post_init__(self):
-        super().__post_init__()
-        default = InputConfig()
-        for key in INPUT_FIELDS_SET_BY_JOB:
-            if getattr(self.input, key) != getattr(default, key):
-                raise ConfigError(f"input.{key}: set by the synthetic job (the slot's expanded rows); "
-                                  f"give the seed set as synthetic.seeds")
-        if self.run.run_id != RunConfig().run_id:
-            raise ConfigError("run.run_id: set by the synthetic job (synthetic-<slot>); do not set it")
-        self.synthetic.check(self.sampling)
-
-
-def load_synthetic_config(path: str | None, overrides: list[str] = ()) -> SyntheticJobConfig:
-    try:
-        return load_config(path, overrides, schema=SyntheticJobConfig)
-    except TypeError as e:          # omegaconf: `list.N.key=...` on a list (e.g. synthetic.templates)
-        raise ConfigError(f"{e}: a list (synthetic.templates, sampling.stop) is replaced whole from the "
-                          f"command line, e.g. 'synthetic.templates=[{{id: a, text: \"{{text}}\"}}]'") from None
+from .stages import PASSTHROUGH, SeedError, check_seed_fields, expand, input_digest, lineage_columns
 
 
 def resolve_slot(cfg: ScheduleConfig, given: str | None, now: datetime | None = None) -> str:
@@ -224,7 +103,6 @@ def resolve_slot(cfg: ScheduleConfig, given: str | None, now: datetime | None = 
     return current_slot(cron, zone(cfg.timezone), now)
 
 
-# ---- seeds and expansion (pure) ------------------------------------------------------------------
 def load_seeds(section: SyntheticSection, storage: StorageConfig) -> list[dict]:
     """The seed items as dicts, in file order; SeedError names the file and the problem."""
     fs, path = filesystem(section.seeds, storage)
@@ -249,104 +127,87 @@ def load_seeds(section: SyntheticSection, storage: StorageConfig) -> list[dict]:
     return seeds
 
 
-def choose_seeds(seeds: list[dict], section: SyntheticSection, slot: str) -> list[dict]:
-    """All seeds, or `seeds_per_slot` of them picked by a hash of (slot, id), in file order."""
-    if section.seeds_per_slot is None or section.seeds_per_slot >= len(seeds):
-        return seeds
-    rank = sorted(range(len(seeds)), key=lambda i: _digest(f"{slot}|{seeds[i][section.id_column]}"))
-    return [seeds[i] for i in sorted(rank[:section.seeds_per_slot])]
-
-
-def row_seed(run_seed: int, slot: str, row_id: str) -> int:
-    """The row's sampling seed: fixed by (run seed, slot, id); in [0, 2^63)."""
-    return int(_digest(f"{run_seed}|{slot}|{row_id}")[:16], 16) & ((1 << 63) - 1)
-
-
-def expand(seeds: list[dict], section: SyntheticSection, sampling: SamplingParams, slot: str,
-           run_seed: int) -> list[dict]:
-    """The slot's input rows (INPUT_SCHEMA), in order seed -> template -> sample."""
-    rows = []
-    for seed in choose_seeds(seeds, section, slot):
-        sid = seed[section.id_column]
-        for t in section.templates:
-            if t.kinds and seed.get(section.kind_column) not in t.kinds:
-                continue
-            prompt = render(t, seed, sid)
-            for k in range(section.samples(t)):
-                rid = f"{sid}/{t.id}/{k}"
-                rows.append({"id": rid, "prompt": prompt, "seed": row_seed(run_seed, slot, rid),
-                             "temperature": sampling.temperature if t.temperature is None else t.temperature,
-                             "max_tokens": t.max_tokens, "stop": t.stop, "slot": slot, "seed_id": sid,
-                             "template": t.id, "sample": k, "response_format": t.format_json()})
-    if not rows:
-        raise SeedError(f"no rows: no template applies to the {len(seeds)} seeds (template kinds "
-                        f"{[t.kinds for t in section.templates]}, seed column {section.kind_column!r})")
-    return rows
-
-
-def render(t: TemplateConfig, seed: dict, sid: str) -> str:
-    values = {}
-    for name in t.fields():
-        value = seed.get(name)
-        if value is None or (isinstance(value, str) and not value.strip()):
-            raise SeedError(f"template {t.id!r} needs {{{name}}}, seed {sid!r} has none")
-        values[name] = value
-    return t.text.format_map(values)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def input_digest(rows: list[dict]) -> str:
-    return _digest(json.dumps(rows, sort_keys=True, ensure_ascii=False))[:16]
-
-
-def input_bytes(rows: list[dict]) -> bytes:
+def input_bytes(rows: list[dict], schema: pa.Schema) -> bytes:
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA), buf, compression="zstd")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf, compression="zstd")
     return buf.getvalue()
 
 
 # ---- the slot ------------------------------------------------------------------------------------
 @dataclass
+class StagePlan:
+    index: int
+    stage: StageConfig
+    url: str                                # the stage's folder: the slot's, or <slot>/stage=<id>
+    rel: str                                # that folder relative to the slot ("" for the slot's own)
+    run_id: str
+    marker: bool                            # the stage commits with its own _SUCCESS (staged slots)
+
+
+@dataclass
 class SlotPlan:
     slot: str
     url: str                                # <output.path>/slot=<slot>
     run_id: str
-    input_url: str
-    rows: list[dict]
-    job: JobConfig                          # what run_job runs
-    provenance: dict                        # synthetic + schedule sections, for summary.json
+    rows: list[dict]                        # the first stage's input rows
+    cfg: SyntheticJobConfig
+    seeds: list[dict]                       # the slot's seeds, all of them by id for later stages
+    stages: list[StagePlan]
+
+    @property
+    def job(self) -> JobConfig:
+        """The first stage's job config (what check_models and the output check see)."""
+        return stage_job(self, self.stages[0], self.input_url)
+
+    @property
+    def input_url(self) -> str:
+        return input_url(self.stages[0], self.rows)
 
 
 def plan_slot(cfg: SyntheticJobConfig, slot: str) -> SlotPlan:
-    """Seeds -> rows -> the slot's job config. No writes; SeedError/ConfigError on bad input."""
-    rows = expand(load_seeds(cfg.synthetic, cfg.storage), cfg.synthetic, cfg.sampling, slot, cfg.run.seed)
+    """Seeds -> the first stage's rows -> the slot's stages. No writes; SeedError/ConfigError on bad
+    input (a template's {field} that is not a seed column is named by its key)."""
+    seeds = load_seeds(cfg.synthetic, cfg.storage)
+    check_seed_fields(cfg.synthetic, sorted({k for s in seeds for k in s}))
+    rows = expand(seeds, cfg.synthetic, cfg.sampling, slot, cfg.run.seed)
     url = f"{cfg.output.path.rstrip('/')}/slot={slot}"
-    input_url = f"{url}/_input/rows-{input_digest(rows)}.parquet"
-    run_id = f"synthetic-{slot}"
-    job = JobConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(JobConfig)},
-                       "input": dataclasses.replace(cfg.input, path=input_url, passthrough_columns=list(PASSTHROUGH)),
-                       "output": dataclasses.replace(cfg.output, path=url),
-                       "run": dataclasses.replace(cfg.run, run_id=run_id)})
-    provenance = {"synthetic": dataclasses.asdict(cfg.synthetic), "schedule": dataclasses.asdict(cfg.schedule)}
-    return SlotPlan(slot, url, run_id, input_url, rows, job, provenance)
+    staged = cfg.synthetic.staged
+    stages = [StagePlan(i, s, f"{url}/stage={s.id}" if staged else url, f"stage={s.id}" if staged else "",
+                        f"synthetic-{slot}-{s.id}" if staged else f"synthetic-{slot}", staged)
+              for i, s in enumerate(cfg.synthetic.stage_list())]
+    return SlotPlan(slot, url, f"synthetic-{slot}", rows, cfg, seeds, stages)
+
+
+def input_url(sp: StagePlan, rows: list[dict]) -> str:
+    return f"{sp.url}/_input/rows-{input_digest(rows)}.parquet"
+
+
+def stage_job(plan: SlotPlan, sp: StagePlan, url: str) -> JobConfig:
+    """The job run_job runs for one stage: its input file, folder, run id, lineage passthrough and
+    the stage's sampling section."""
+    cfg = plan.cfg
+    stages = cfg.synthetic.stage_list()
+    return JobConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(JobConfig)},
+                        "input": dataclasses.replace(cfg.input, path=url, passthrough_columns=[
+                            *PASSTHROUGH, *lineage_columns(sp.index, stages)]),
+                        "output": dataclasses.replace(cfg.output, path=sp.url),
+                        "sampling": stage_sampling(cfg.sampling, sp.stage),
+                        "run": dataclasses.replace(cfg.run, run_id=sp.run_id)})
 
 
 @dataclass
 class SlotResult:
     status: str                             # committed | already_committed | busy
     message: str
-    summary: dict | None = None             # run_job's summary (committed by this run only)
+    summary: dict | None = None             # the last stage's run_job summary (committed by this run only)
     slot_summary: dict | None = None        # summary.json
 
 
 class SlotFolder:
-    """The slot folder on its store: small JSON objects, markers and the expanded input."""
+    """A slot's or stage's folder on its store: small JSON objects, markers and tables."""
 
     def __init__(self, url: str, storage: StorageConfig):
-        self.url, self.retry = url, storage.retry_policy()
+        self.url, self.storage, self.retry = url, storage, storage.retry_policy()
         self.fs, self.path = filesystem(url, storage)
 
     def p(self, rel: str) -> str:
@@ -356,17 +217,26 @@ class SlotFolder:
         return retrying(self.retry, f"{what} {self.url}", op)
 
     def committed(self) -> dict | None:
-        """summary.json of a committed slot (its _SUCCESS exists), else None."""
+        """summary.json of a committed slot or stage (its _SUCCESS exists), else None."""
         if not self.io("check _SUCCESS", lambda: self.fs.exists(self.p("_SUCCESS"))):
             return None
         return json.loads(self.io("read summary.json", lambda: self.fs.cat_file(self.p("summary.json"))))
 
     def put(self, rel: str, data: bytes) -> None:
+        if "/" in rel:
+            self.io("create", lambda: self.fs.makedirs(posixpath.dirname(self.p(rel)), exist_ok=True))
         self.io(f"write {rel} in", lambda: put_atomic(self.fs, self.p(rel), data))
 
     def create_once(self, rel: str, data: bytes) -> bool:
         self.io("create", lambda: self.fs.makedirs(posixpath.dirname(self.p(rel)), exist_ok=True))
         return self.io(f"create {rel} in", lambda: create_exclusive(self.fs, self.p(rel), data))
+
+    def tables(self, rel: str) -> list[str]:
+        """The Parquet files under `rel`, sorted."""
+        return sorted(self.io(f"list {rel} in", lambda: self.fs.glob(self.p(f"{rel}/*.parquet"))))
+
+    def rows(self, rel: str) -> list[dict]:
+        return [r for f in self.tables(rel) for r in read_parquet(self.fs, f).to_pylist()]
 
 
 def already_message(slot: str, done: dict) -> str:
@@ -380,12 +250,11 @@ def busy_message(slot: str, holder: str) -> str:
             f"holder commits the slot, or, if it dies, the next run for the slot resumes its committed units")
 
 
-def run_slot(plan: SlotPlan, stop=None) -> SlotResult:
-    """Generate and commit one slot, exactly once (see the module docstring). Raises what run_job
-    raises (InputError, OutputError before any work; JobFailed, Interrupted after)."""
-    from ..cluster.driver import JobFailed, RunBusy, check_models, run_job
-    from .quality import curate
-    storage = plan.job.storage.with_environment()
+def run_slot(plan: SlotPlan, stop=None, say=print) -> SlotResult:
+    """Generate and commit one slot, exactly once, stage by stage (see the module docstring). Raises
+    what run_job raises (InputError, OutputError before any work; JobFailed, Interrupted after)."""
+    from ..cluster.driver import JobFailed, check_models
+    storage = plan.cfg.storage.with_environment()
     folder = SlotFolder(plan.url, storage)
     done = folder.committed()                      # the common repeat: no write at all
     if done is not None:
@@ -394,7 +263,7 @@ def run_slot(plan: SlotPlan, stop=None) -> SlotResult:
     RunOutput(plan.url, plan.run_id, storage).check_location()
     owner = owner_info(slot=plan.slot, run_id=plan.run_id)
     try:
-        lease = acquire(folder.fs, folder.p("_lease"), owner, plan.job.run.lease_ttl_s, folder.retry)
+        lease = acquire(folder.fs, folder.p("_lease"), owner, plan.cfg.run.lease_ttl_s, folder.retry)
     except LeaseHeld as e:
         return SlotResult("busy", busy_message(plan.slot, describe_holder(e.holder)))
     try:
@@ -402,43 +271,16 @@ def run_slot(plan: SlotPlan, stop=None) -> SlotResult:
         done = folder.committed()                  # committed while we were claiming it
         if done is not None:
             return SlotResult("already_committed", already_message(plan.slot, done), slot_summary=done)
-        _check_same_input(folder, plan)
-        folder.create_once(posixpath.relpath(plan.input_url, plan.url), input_bytes(plan.rows))
-        try:
-            summary = run_job(plan.job, stop)
-        except RunBusy as e:
-            return SlotResult("busy", busy_message(plan.slot, str(e)))
-        except OutputError as e:
-            raise OutputError(f"slot {plan.slot} was started with another config; rerun with that config to "
-                              f"finish it, or remove {plan.url} to regenerate it: {e}") from None
-        quality = curate(RunOutput(plan.url, plan.run_id, storage), folder, plan.input_url, storage)
+        from .stage_run import StageRunner
+        runner = StageRunner(plan, storage, stop, say)
+        for sp in plan.stages:
+            if runner.run(sp) is None:
+                return SlotResult("busy", busy_message(plan.slot, runner.busy))
         if lease.lost.is_set():
             raise JobFailed(f"the slot lease was lost ({lease.lost_reason}); slot {plan.slot} not marked "
                             f"committed; rerun to finish it")
-        slot_summary = _slot_summary(plan, summary, quality, owner)
-        folder.put("summary.json", json.dumps(slot_summary, indent=2).encode())
-        folder.put("_SUCCESS", b"")
+        slot_summary = runner.commit_slot(folder, owner)
     finally:
         lease.release()
     return SlotResult("committed", f"slot {plan.slot} committed by run {plan.run_id}: {plan.url}",
-                      summary, slot_summary)
-
-
-def _check_same_input(folder: SlotFolder, plan: SlotPlan) -> None:
-    """An uncommitted slot holding another expansion (seeds, templates, samples) is not finished
-    with this one: the two would mix in one slot."""
-    ours = posixpath.basename(plan.input_url)
-    found = folder.io("list _input in", lambda: folder.fs.glob(folder.p("_input/rows-*.parquet")))
-    others = sorted(posixpath.basename(f) for f in found if posixpath.basename(f) != ours)
-    if others:
-        raise OutputError(f"slot {plan.slot} was started with another seed set/templates/samples ({others[0]}, "
-                          f"now {ours}); rerun with that config to finish it, or remove {plan.url} to regenerate it")
-
-
-def _slot_summary(plan: SlotPlan, summary: dict, quality: dict, owner: dict) -> dict:
-    keys = ("rows", "completions", "errors", "error_reasons", "tokens", "config_hash", "units")
-    return {"slot": plan.slot, "run_id": plan.run_id, "output": plan.url, "run": summary["output"],
-            "committed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "committed_by": {"host": owner["host"], "pid": owner["pid"]}, "input": plan.input_url,
-            **{k: summary[k] for k in keys}, "quality": quality, "wall_s": round(time.time() - owner["started_at"], 2),
-            **plan.provenance}
+                      runner.last_run, slot_summary)

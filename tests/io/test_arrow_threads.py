@@ -22,6 +22,7 @@ from fsspec.implementations.local import LocalFileOpener
 from fsspec.implementations.memory import MemoryFile
 
 from pipeline.synthetic import quality, job as synthetic
+from pipeline.synthetic.config import SyntheticSection
 from pipeline.report import summary as report
 from pipeline.io.reader import InputConfig
 from pipeline.io.storage import StorageConfig
@@ -79,8 +80,8 @@ def _read_everything(root):
     rows = [r for u in units for _, r in iter_rows(u, S)]
     comps = report.load(f"{root}/out/r", "completions", S)
     table = quality._read(RunOutput(f"{root}/out", "r", S).committed_files("completions")[0], S, ["id"])
-    seeds = synthetic.load_seeds(synthetic.SyntheticSection(seeds=f"{root}/seeds.parquet"), S)
-    jseeds = synthetic.load_seeds(synthetic.SyntheticSection(seeds=f"{root}/seeds.jsonl"), S)
+    seeds = synthetic.load_seeds(SyntheticSection(seeds=f"{root}/seeds.parquet"), S)
+    jseeds = synthetic.load_seeds(SyntheticSection(seeds=f"{root}/seeds.jsonl"), S)
     return len(rows), comps.num_rows, table.num_rows, len(seeds), len(jseeds)
 
 

@@ -28,10 +28,12 @@ from jobs.synthetic_data import main
 from pipeline.errors import ConfigError
 from pipeline.job.config import config_hash, hashed_tree, load_config
 from pipeline.io.reader import InputError, plan_units
-from pipeline.synthetic.quality import quality_flags, text_key
+from pipeline.synthetic.quality import quality_flags, row_check
 from pipeline.job.rows import passthrough
 from pipeline.synthetic.schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
-from pipeline.synthetic.job import ScheduleConfig, expand, load_seeds, load_synthetic_config, plan_slot, resolve_slot
+from pipeline.synthetic.config import ScheduleConfig, load_synthetic_config
+from pipeline.synthetic.job import load_seeds, plan_slot, resolve_slot
+from pipeline.synthetic.stages import expand
 from s3_util import BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,20 +163,21 @@ def test_passthrough_columns_config(tmp_path):
 
 
 def test_quality_flags():
-    def row(i, text, reason="eos"):
-        return {"id": i, "source_row": int(i[1:]), "finish_reason": reason, "key": text_key(text)}
+    def row(i, text, reason="eos", valid=None):
+        return row_check({"id": i, "source_row": int(i[1:]), "finish_reason": reason, "text": text, "valid": valid}, None)
     flags = quality_flags([row("r3", "same"), row("r1", "same"), row("r2", " \n"), row("r4", "", "length"),
                            row("r5", "cut", "length"), row("r6", "x", "context"), row("r7", "  \n", "stop")])
     assert flags["r1"] == {"is_empty": False, "is_truncated": False, "is_duplicate": False, "duplicate_of": None,
-                           "is_invalid": False, "is_kept": True}
+                           "is_near_duplicate": False, "near_duplicate_of": None, "near_duplicate_slot": None,
+                           "is_invalid": False, "invalid_reason": None, "is_kept": True}
     assert flags["r3"]["is_duplicate"] and flags["r3"]["duplicate_of"] == "r1" and not flags["r3"]["is_kept"]
     assert flags["r2"]["is_empty"] and not flags["r7"]["is_duplicate"]        # empty texts are not duplicates
     assert flags["r4"]["is_empty"] and flags["r4"]["is_truncated"]
     assert flags["r5"]["is_truncated"] and flags["r6"]["is_truncated"]
-    records = quality_flags([{**row("r1", "{}"), "valid": True}, {**row("r2", "{\"a\""), "valid": False},
-                             {**row("r3", "prose"), "valid": None}])
+    records = quality_flags([row("r1", "{}", valid=True), row("r2", "{\"a\"", valid=False), row("r3", "prose")])
     assert [records[r]["is_invalid"] for r in ("r1", "r2", "r3")] == [False, True, False]
     assert [records[r]["is_kept"] for r in ("r1", "r2", "r3")] == [True, False, True]
+    assert records["r2"]["invalid_reason"] == "not a valid record for the template's response_format"
 
 
 # ---- the job on Ray ---------------------------------------------------------------------------------
@@ -276,11 +279,26 @@ def test_slot_end_to_end(local_slot):
     assert q == {"checked": 18, "empty": sum(r["is_empty"] for r in curated.values()),
                  "truncated": sum(r["is_truncated"] for r in curated.values()),
                  "duplicate": sum(r["is_duplicate"] for r in curated.values()),
+                 "near_duplicate": sum(r["is_near_duplicate"] for r in curated.values()),
                  "invalid": sum(r["is_invalid"] for r in curated.values()),
                  "kept": sum(r["is_kept"] for r in curated.values())}
     assert q["invalid"] >= 3 and summary["rows"] == 19 and summary["errors"] == 1
     assert (f"{q['empty']} empty, {q['truncated']} truncated, {q['duplicate']} duplicates, "
-            f"{q['invalid']} invalid records") in stdout
+            f"{q['near_duplicate']} near-duplicates, {q['invalid']} invalid") in stdout
+    # the dataset card: its default config's files are the kept rows, read by `datasets`
+    import datasets
+    card = (slot_dir / "README.md").read_text()
+    header = yaml.safe_load(card.split("---")[1])
+    files = header["configs"][0]["data_files"][0]["path"]
+    kept = datasets.load_dataset("parquet", data_files=str(slot_dir / files))["train"]
+    assert sorted(kept["id"]) == sorted(i for i, r in curated.items() if r["is_kept"]) and len(kept) == q["kept"]
+    assert header["size_categories"] == ["n<1K"] and {"name": "text", "dtype": "string"} in header["dataset_info"]["features"]
+    prov = json.loads((slot_dir / "provenance.json").read_text())
+    assert prov["config_hash"] == config_hash(load_synthetic_config(str(config))) and prov["config"]["synthetic"]["seeds"].endswith("seeds.parquet")
+    assert prov["models"]["target"]["kind"] == "folder" and prov["models"]["target"]["files"]
+    assert prov["seeds"]["ids"] == ["s1", "s2", "s3", "long"] and prov["code"]["git_commit"]
+    assert prov["stages"][0]["kept"] == q["kept"] and prov["stages"][0]["tokens"] == summary["tokens"] > 0
+    assert prov["sampling"][0]["templates"]["greedy"]["temperature"] == 0.0
 
 
 def test_rerun_of_a_committed_slot_changes_nothing(local_slot, capsys):
@@ -326,8 +344,9 @@ def test_two_runs_at_once_local(local_slot, tiny_model_dir, ray_head, tmp_path):
     run_dir = slot_dir / f"synthetic-{SLOT}"
     completions = rows_of((run_dir / "completions").glob("*.parquet"))
     assert sorted(c["id"] for c in completions) == EXPECTED_IDS                # exactly once
-    assert sorted(p.name for p in slot_dir.iterdir()) == sorted(["_SUCCESS", "_input", "_lease", "curated",
-                                                                  f"synthetic-{SLOT}", "summary.json"])
+    assert sorted(p.name for p in slot_dir.iterdir()) == sorted(["_SUCCESS", "_input", "_lease", "curated", "kept",
+                                                                  "near_duplicates.parquet", "README.md",
+                                                                  "provenance.json", f"synthetic-{SLOT}", "summary.json"])
     assert len(list((slot_dir / "_input").iterdir())) == 1
     # rerunning the slot regenerates the same rows: the same texts as the first fixture's run
     first = {c["id"]: c["text"] for c in rows_of((local_slot[1] / f"slot={SLOT}" / f"synthetic-{SLOT}"
