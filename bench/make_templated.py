@@ -2,9 +2,9 @@
 
     .venv/bin/python -m bench.make_templated --seeds-per-slot 16 --samples 2 --out bench/out/prompts_templated.json
 
-Expands configs/synthetic.yaml (its real seed set and templates: answer / new task for MT-bench
-questions, solve for HumanEval stubs, extract for CoQA passages) for one fixed slot exactly as
-jobs/synthetic_data.py does, then applies SmolLM2's chat template. Rows keep the job's order (seed
+Expands bench/templated.yaml (the synthetic job's single-stage form over its real seed set: answer /
+new task for MT-bench questions, solve / new function for HumanEval stubs, qa / JSON questions for
+CoQA passages) for one fixed slot exactly as jobs/synthetic_data.py does, then applies SmolLM2's chat template. Rows keep the job's order (seed
 -> template -> sample), so several prompts share a template and each prompt is sampled `--samples`
 times: the repetition a worker-wide suffix index can exploit. Sample with `run_one --temperature`.
 """
@@ -16,13 +16,13 @@ import json
 from bench.prompts import build_prompt_ids
 from pipeline.loading.models import ModelSpec, load_model
 from pipeline.synthetic.config import load_synthetic_config
-from pipeline.synthetic.job import load_seeds
+from pipeline.synthetic.plan import load_seeds
 from pipeline.synthetic.stages import expand
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/synthetic.yaml")
+    ap.add_argument("--config", default="bench/templated.yaml")
     ap.add_argument("--seeds-per-slot", type=int, default=16)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--slot", default="2026-12-01T00")

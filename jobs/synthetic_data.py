@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.synthetic.schedule import ScheduleError  # noqa: E402
 from pipeline.synthetic.config import load_synthetic_config  # noqa: E402
-from pipeline.synthetic.job import plan_slot, resolve_slot  # noqa: E402
+from pipeline.synthetic.plan import plan_slot, resolve_slot  # noqa: E402
 from pipeline.synthetic.stages import SeedError  # noqa: E402
 
 
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slot", help="the slot to generate (YYYY-MM-DDTHH, or YYYY-MM-DDTHH-MM for schedules "
                                        "firing several times an hour); default: the schedule's current slot")
     parser.add_argument("--show", type=int, default=2, help="completions to print at the end")
+    parser.add_argument("--preview", type=int, metavar="N", help="generate N rows per template and stage in this "
+                                                                  "process and print them; nothing is written")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. synthetic.seeds_per_slot=8")
     args = parser.parse_intermixed_args(argv)      # overrides may come before and after --slot
     try:
@@ -46,8 +48,24 @@ def main(argv=None) -> int:
                                            (ConfigError, "config")) if isinstance(e, cls))
         print(f"{kind} error: {e}", file=sys.stderr)
         return 2
+    if args.preview is not None:
+        return show_preview(cfg, plan, args.preview)
     print(f"slot {slot}: {len(plan.rows)} rows -> {plan.url}", flush=True)
     return run(plan, args.show)
+
+
+def show_preview(cfg, plan, n: int) -> int:
+    from pipeline.job.runtime import build_engine
+    from pipeline.synthetic.preview import preview, table
+    if n < 1:
+        print("config error: --preview: expected N >= 1", file=sys.stderr)
+        return 2
+    loaded = build_engine(cfg.models, cfg.drafting, cfg.engine, storage=cfg.storage.with_environment())
+    shown = preview(cfg, plan.slot, n, plan.seeds, loaded)
+    print(table(shown))
+    print(f"preview of slot {plan.slot}: {len(shown)} rows, {n} per template and stage; nothing written "
+          f"(the run writes {plan.url})")
+    return 0
 
 
 def run(plan, show: int) -> int:

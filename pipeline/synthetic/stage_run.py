@@ -22,7 +22,7 @@ from ..io.storage import StorageConfig, read_parquet
 from ..io.writer import OutputError, RunOutput
 from .card import card, provenance
 from .config import ancestors, input_of
-from .job import SlotFolder, SlotPlan, StagePlan, input_bytes, input_url, stage_job
+from .plan import SlotFolder, SlotPlan, StagePlan, input_bytes, input_url, stage_job
 from .near_dup import NearDuplicates
 from .quality import FLAGS, curate, curate_judged
 from .stages import expand_stage, input_schema

@@ -43,7 +43,7 @@ from pipeline.job.config import load_config
 from pipeline.loading.files import SHIPPED_MODELS
 from pipeline.synthetic.schedule import parse_cron, parse_slot, zone
 from pipeline.synthetic.config import load_synthetic_config
-from pipeline.synthetic.job import resolve_slot
+from pipeline.synthetic.plan import resolve_slot
 from pipeline_util import manifest, prompt_rows, read_run, write_parquet
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import pytest
 from fsspec.implementations.local import LocalFileOpener
 from fsspec.implementations.memory import MemoryFile
 
-from pipeline.synthetic import quality, job as synthetic
+from pipeline.synthetic import quality, plan as synthetic
 from pipeline.synthetic.config import SyntheticSection
 from pipeline.report import summary as report
 from pipeline.io.reader import InputConfig

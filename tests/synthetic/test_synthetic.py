@@ -32,7 +32,7 @@ from pipeline.synthetic.quality import quality_flags, row_check
 from pipeline.job.rows import passthrough
 from pipeline.synthetic.schedule import ScheduleError, current_slot, parse_cron, parse_slot, zone
 from pipeline.synthetic.config import ScheduleConfig, load_synthetic_config
-from pipeline.synthetic.job import load_seeds, plan_slot, resolve_slot
+from pipeline.synthetic.plan import load_seeds, plan_slot, resolve_slot
 from pipeline.synthetic.stages import expand
 from s3_util import BUCKET, KEY, REGION, SECRET, moto_endpoint, s3  # noqa: F401 -- fixtures
 
@@ -131,14 +131,14 @@ def test_default_seed_set_and_deterministic_expansion():
     ids = [r["id"] for r in a.rows]
     assert len(set(ids)) == len(ids) and {r["slot"] for r in a.rows} == {SLOT}
     assert all(r["temperature"] > 0 for r in a.rows)                         # sampled by default
-    assert a.job.run.run_id == f"synthetic-{SLOT}" and a.job.output.path.endswith(f"/slot={SLOT}")
+    assert a.job.run.run_id == f"synthetic-{SLOT}-task" and a.job.output.path.endswith(f"/slot={SLOT}/stage=task")
     assert a.input_url.startswith(f"{a.job.output.path}/_input/rows-")
     # every seed, two slots: the same ids (seed/template/sample), other per-row seeds
     full = load_synthetic_config("configs/synthetic.yaml", ["synthetic.seeds_per_slot=null"])
     one, other = (expand(seeds, full.synthetic, full.sampling, s, 0) for s in (SLOT, "2026-11-30T01"))
     assert [r["id"] for r in one] == [r["id"] for r in other]
     assert all(x["seed"] != y["seed"] for x, y in zip(one, other))
-    assert one[0]["id"] == "mtbench-81/answer/0" and one[1]["id"] == "mtbench-81/answer/1"
+    assert one[0]["id"] == "mtbench-81/new-task/0" and one[1]["id"] == "mtbench-81/new-task/1"
     # seeds_per_slot: a fixed sample per slot, and different slots sample differently
     picked = {s: {r["seed_id"] for r in plan_slot(cfg, s).rows} for s in (SLOT, "2026-11-30T01")}
     assert len(picked[SLOT]) == 32 and picked[SLOT] != picked["2026-11-30T01"]
