@@ -112,9 +112,12 @@ def run_slot(plan: SlotPlan, stop=None, say=print) -> SlotResult:
         if done is not None:
             return SlotResult("already_committed", already_message(plan.slot, done), slot_summary=done)
         runner = StageRunner(plan, storage, stop, say)
-        for sp in plan.stages:
-            if runner.run(sp) is None:
-                return SlotResult("busy", busy_message(plan.slot, runner.busy))
+        try:
+            for sp in plan.stages:
+                if runner.run(sp) is None:
+                    return SlotResult("busy", busy_message(plan.slot, runner.busy))
+        finally:
+            runner.close()
         if lease.lost.is_set():
             raise JobFailed(f"the slot lease was lost ({lease.lost_reason}); slot {plan.slot} not marked "
                             f"committed; rerun to finish it")

@@ -154,8 +154,7 @@ class SlotFolder:
         return json.loads(self.io("read summary.json", lambda: self.fs.cat_file(self.p("summary.json"))))
 
     def put(self, rel: str, data: bytes) -> None:
-        if "/" in rel:
-            self.io("create", lambda: self.fs.makedirs(posixpath.dirname(self.p(rel)), exist_ok=True))
+        self.io("create", lambda: self.fs.makedirs(posixpath.dirname(self.p(rel)), exist_ok=True))
         self.io(f"write {rel} in", lambda: put_atomic(self.fs, self.p(rel), data))
 
     def create_once(self, rel: str, data: bytes) -> bool:

@@ -76,7 +76,7 @@ def validate(text: str, t: TemplateConfig | None) -> str | None:
             return f"not JSON: {e}"
     blocks = FENCE.findall(text)
     if not blocks:
-        return "no fenced code block"
+        return "no complete fenced code block (```...```)"
     for i, block in enumerate(blocks):
         try:
             ast.parse(block)

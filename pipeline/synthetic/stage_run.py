@@ -24,7 +24,7 @@ from .card import card, provenance
 from .config import ancestors, input_of
 from .plan import SlotFolder, SlotPlan, StagePlan, input_bytes, input_url, stage_job
 from .near_dup import NearDuplicates
-from .quality import FLAGS, curate, curate_judged
+from .quality import FLAGS, count, curate, curate_judged
 from .stages import expand_stage, input_schema
 
 RUN_KEYS = ("completions", "errors", "tokens", "acceptance_rate", "tokens_per_round", "forced_tokens",
@@ -42,10 +42,16 @@ class StageRunner:
         self.last_run: dict | None = None                # the last run_job summary of this invocation
         self.busy: str | None = None
         self.t0 = time.time()
+        self.ray_started: bool | None = None             # connected once for every stage; True: we started it
+
+    def close(self) -> None:
+        if self.ray_started:
+            import ray
+            ray.shutdown()
 
     def run(self, sp: StagePlan) -> dict | None:
         """The stage's summary (running it unless committed); None if another run holds its run lease."""
-        from ..cluster.driver import RunBusy, run_job
+        from ..cluster.driver import RunBusy, connect, run_job
         folder = SlotFolder(sp.url, self.storage)
         done = folder.committed() if sp.marker else None
         if done is not None:
@@ -57,8 +63,11 @@ class StageRunner:
             _check_same_input(folder, self.plan, url)
             if self.plan.cfg.synthetic.staged:
                 self.say(f"stage {sp.stage.id}: {len(rows)} rows -> {sp.url}")
-            run, quality = None, {"checked": 0, "kept": 0}
+            run, quality = None, empty_quality(sp.stage)
             if rows:
+                if self.ray_started is None:             # one cluster for the slot's stages, not one each
+                    cluster = self.plan.cfg.cluster
+                    self.ray_started = connect(cluster, cluster.num_workers * cluster.num_cpus_per_worker)
                 folder.create_once(posixpath.relpath(url, sp.url), input_bytes(rows, input_schema(sp.index, self.stages)))
                 try:
                     run = run_job(stage_job(self.plan, sp, url), self.stop)
@@ -137,6 +146,11 @@ class StageRunner:
         folder.put("summary.json", json.dumps(summary, indent=2).encode())
         folder.put("_SUCCESS", b"")
         return summary
+
+
+def empty_quality(stage) -> dict:
+    """The counts of a stage that had no rows to run (every input row flagged)."""
+    return {"judged": 0, "rejected": 0, "kept": 0, "mean_score": None} if stage.kind == "judge" else count({})
 
 
 def stage_summary(plan: SlotPlan, sp: StagePlan, rows: list[dict], run: dict | None, quality: dict,
