@@ -14,13 +14,21 @@ Per stage and arm: rows, kept, flags, tokens, generate tokens/s (the run's token
 time: load included, Ray start excluded), wall s, tokens per round, acceptance, forced tokens; medians
 and [min, max] over the repeats. Sampled rows (temperature 0.8-1.0 as configured) draw other samples
 under another drafter, so later stages see other (equally distributed) inputs: compare rates, not rows.
-Extra arguments after `--` go to both arms (e.g. `-- synthetic.seeds_per_slot=8`).
+Extra arguments go to both arms (e.g. `synthetic.seeds_per_slot=8`).
+
+    .venv/bin/python -m bench.synthetic_bench --judge-from out/synthetic/slot=2026-12-01T00 --repeats 3 \
+        --out bench/out/synthetic_judge.json synthetic.seeds_per_slot=null
+
+--judge-from: the judge alone on the same rows in every arm. Each arm's output starts as a copy of that
+committed slot's stages before the last (their `_SUCCESS` kept; the last stage and the slot's commit
+files left out), so the rerun skips them and runs only the judge over the same kept answers.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,8 +40,20 @@ STAGE_KEYS = ("rows", "kept", "tokens", "generate_tokens_per_s", "wall_s", "toke
               "forced_tokens")
 
 
-def run_arm(arm: str, slot: str, config: str, extra: list[str]) -> dict:
+def seeded_output(arm: str, slot: str, judge_from: str | None) -> str:
+    """A fresh output folder; with judge_from, holding that slot's committed stages but the last."""
     out = tempfile.mkdtemp(prefix=f"synthetic-bench-{arm}-")
+    if judge_from:
+        stages = sorted(d for d in os.listdir(judge_from) if d.startswith("stage="))
+        last = json.load(open(os.path.join(judge_from, "summary.json")))["stages"][-1]["id"]
+        for d in stages:
+            if d != f"stage={last}":
+                shutil.copytree(os.path.join(judge_from, d), os.path.join(out, f"slot={slot}", d))
+    return out
+
+
+def run_arm(arm: str, slot: str, config: str, extra: list[str], judge_from: str | None = None) -> dict:
+    out = seeded_output(arm, slot, judge_from)
     cmd = [sys.executable, "jobs/synthetic_data.py", "--config", config, "--slot", slot, "--show", "0",
            f"output.path={out}", "run.progress=false", *ARMS[arm], *extra]
     t0 = time.time()
@@ -59,13 +79,15 @@ def main() -> None:
     ap.add_argument("--config", default="configs/synthetic.yaml")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--judge-from", help="a committed slot folder: run only its last stage, on its rows, per arm")
     ap.add_argument("--out", required=True)
     ap.add_argument("extra", nargs="*", help="config overrides for both arms")
     args = ap.parse_args()
     runs = []
     for r in range(args.repeats):
         for arm in (args.arms if r % 2 == 0 else list(reversed(args.arms))):
-            runs.append(run_arm(arm, args.slot, args.config, args.extra))
+            slot = os.path.basename(args.judge_from.rstrip("/")).removeprefix("slot=") if args.judge_from else args.slot
+            runs.append(run_arm(arm, slot, args.config, args.extra, args.judge_from))
             stages = runs[-1]["stages"]
             print(f"repeat {r} {arm}: " + "; ".join(f"{s}: {v['tokens']} tok, {v['generate_tokens_per_s']} tok/s, "
                                                      f"{v['tokens_per_round']} tok/round"

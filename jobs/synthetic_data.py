@@ -1,10 +1,13 @@
 """Scheduled synthetic-data job, one committed result per time slot:
 
     python jobs/synthetic_data.py --config configs/synthetic.yaml [--slot 2026-11-30T00] [key=value ...]
+    python jobs/synthetic_data.py --config configs/synthetic.yaml --preview 2      # nothing written
 
 Expands the seed set (synthetic.seeds) x templates x samples into rows with per-row seeds, generates
 them with the same driver, workers and writer as jobs/generate.py, and commits them under
-`<output.path>/slot=<slot>/` with a quality gate (curated/). The slot is `--slot`, else the most
+`<output.path>/slot=<slot>/` with a quality gate (curated/, kept/), stage by stage where the config has
+`synthetic.stages`, then a dataset card (README.md) and provenance.json. `--preview N` generates N rows
+per template and stage in this process and prints them, committing nothing. The slot is `--slot`, else the most
 recent fire time of schedule.cron in schedule.timezone (hourly: the hour that just started). See
 pipeline/synthetic/job.py for the layout and the exactly-once protocol.
 

@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 import pyarrow as pa
-from datasketch import MinHash, MinHashLSH
+from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from .config import NearDuplicateConfig
 
@@ -84,8 +84,9 @@ class NearDuplicates:
                 self.last[r["id"]] = sig
         return out
 
-    def _minhash(self, signature: np.ndarray) -> MinHash:
-        return MinHash(num_perm=self.cfg.num_perm, seed=SEED, hashvalues=signature.astype(np.uint64), scheme=SCHEME)
+    def _minhash(self, signature: np.ndarray) -> LeanMinHash:
+        """The signature as datasketch's LSH takes it (a lean MinHash: no permutations to make)."""
+        return LeanMinHash(seed=SEED, hashvalues=signature.astype(np.uint64), scheme=SCHEME)
 
     def table(self) -> pa.Table:
         """The signatures `check` computed last, for near_duplicates.parquet."""

@@ -25,7 +25,7 @@ SCRIPTS = MAINTAINED + [f"research.{name}" for name in RESEARCH]
 LIBRARIES = ["common", "hf_baselines", "prompts"]          # imported by the scripts
 SHELL = ["gpu_check.sh", "setup_vllm.sh", "research/alternating.sh", "research/ab_commits.sh"]
 TINY = {   # script -> its dry run's arguments
-    "gpu_bench": ["--device", "cpu", "--dtype", "float32", "--tiny"],
+    "gpu_bench": ["--device", "cpu", "--dtype", "float32", "--tiny", "--config-s", "1"],   # every part, 1 s each
     "research.gpu_profile": ["--device", "cpu", "--dtype", "float32", "--tiny"],
 }
 

@@ -328,3 +328,31 @@ def test_preview_generates_every_stage_and_writes_nothing(tiny_model_dir, tmp_pa
     if rows[0][4] == "kept":                                     # a kept task feeds the answer, then the judge
         assert [r[:2] for r in rows[1:3]] == [["answer", "solve"], ["quality", "rubric"]]
     assert f"preview of slot {SLOT}:" in said and "nothing written" in said and not out.exists()
+
+
+def test_near_duplicates_check_against_the_runs_earlier_committed_slots_only(tmp_path):
+    """A stage's index holds the signatures of the same stage in the run's earlier committed slots: not
+    of a later slot, an uncommitted one, or one made with other settings."""
+    from pipeline.io.storage import StorageConfig
+    from pipeline.synthetic.plan import plan_slot
+    from pipeline.synthetic.stage_run import StageRunner
+    cfg = load_synthetic_config("configs/synthetic.yaml", [f"output.path={tmp_path}"])
+    index = NearDuplicates(cfg.synthetic.near_duplicates)
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    index.check([{"id": "r", "signature": index.signatures([text])[0]}])
+    other = NearDuplicates(NearDuplicateConfig(num_perm=64))
+    other.check([{"id": "r", "signature": other.signatures([text])[0]}])
+    for slot, committed, table in [("2026-11-29T00", True, index.table()), ("2026-11-29T01", False, index.table()),
+                                   ("2026-11-29T02", True, other.table()), ("2026-11-30T01", True, index.table())]:
+        folder = tmp_path / f"slot={slot}" / "stage=task"
+        folder.mkdir(parents=True)
+        pq.write_table(table, folder / "near_duplicates.parquet")
+        if committed:
+            (folder.parent / "_SUCCESS").write_text("")
+    said = []
+    runner = StageRunner(plan_slot(cfg, SLOT), StorageConfig(), None, said.append)
+    near = runner._near_duplicates(runner.plan.stages[0])
+    assert sorted(near.where.values()) == [("2026-11-29T00", "r")]
+    assert said == ["near-duplicates: checked against 1 earlier slots (1 made with other near_duplicates settings "
+                    "skipped)"]
+    assert near.check([{"id": "x", "signature": near.signatures([text])[0]}])["x"] == ("2026-11-29T00", "r")
