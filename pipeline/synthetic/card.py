@@ -35,13 +35,13 @@ def size_category(rows: int) -> str:
     return next((name for limit, name in SIZES if rows < limit), "n>100M")
 
 
-def feature(t: pa.DataType) -> object:
-    """An Arrow type as the card's `dataset_info.features` dtype."""
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return {"sequence": feature(t.value_type)}
+def feature(f: pa.Field) -> dict:
+    """A column as a `dataset_info.features` entry: `dtype: <name>`, or `sequence: <dtype>` for a list."""
     names = {pa.string(): "string", pa.large_string(): "string", pa.bool_(): "bool", pa.int32(): "int32",
              pa.int64(): "int64", pa.float32(): "float32", pa.float64(): "float64", pa.binary(): "binary"}
-    return names.get(t, str(t))
+    if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
+        return {"name": f.name, "sequence": names.get(f.type.value_type, str(f.type.value_type))}
+    return {"name": f.name, "dtype": names.get(f.type, str(f.type))}
 
 
 def card(slot: str, stages: list[dict], provenance: dict) -> str:
@@ -51,7 +51,7 @@ def card(slot: str, stages: list[dict], provenance: dict) -> str:
         "configs": [{"config_name": s["name"], "data_files": [{"split": "train", "path": s["data"]}],
                      **({"default": True} if s is last else {})} for s in stages],
         "dataset_info": {"config_name": last["name"],
-                         "features": [{"name": f.name, "dtype": feature(f.type)} for f in last["schema"]],
+                         "features": [feature(f) for f in last["schema"]],
                          "splits": [{"name": "train", "num_examples": last["kept"]}]},
         "size_categories": [size_category(last["kept"])],
         "task_categories": ["text-generation"], "tags": ["synthetic", "specpipe"],
