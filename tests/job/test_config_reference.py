@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.job.config import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW = re.compile(r"^\| `([a-z_]+\.[a-z_.]+)` \| ([^|]*) \|")
+ROW = re.compile(r"^\| (`[a-z_]+\.[a-z_.]+`(?:, `[a-z_]+`)*) \| ([^|]*) \|")
 
 
 def config_keys(cls=JobConfig, prefix: str = "") -> dict[str, object]:
@@ -26,7 +26,19 @@ def config_keys(cls=JobConfig, prefix: str = "") -> dict[str, object]:
 
 
 def readme_rows(text: str) -> dict[str, str]:
-    return {m.group(1): m.group(2).strip() for line in text.splitlines() if (m := ROW.match(line))}
+    """key -> default. A row may name sibling keys (`a.b`, `c`: a.b and a.c) with one default each, in
+    order, or one default for all of them."""
+    rows = {}
+    for m in filter(None, map(ROW.match, text.splitlines())):
+        names = [n.strip("`") for n in m.group(1).split(", ")]
+        section = names[0].rpartition(".")[0]
+        keys = [names[0], *(f"{section}.{n}" for n in names[1:])]
+        values = [v.strip() for v in m.group(2).split(", ")] if len(keys) > 1 else [m.group(2).strip()]
+        if len(values) == 1:
+            values *= len(keys)
+        assert len(values) == len(keys), f"row {m.group(0)!r}: {len(keys)} keys, {len(values)} defaults"
+        rows.update(zip(keys, values))
+    return rows
 
 
 def shown(default) -> str:
@@ -57,3 +69,6 @@ def test_readme_defaults_are_the_code_defaults():
 def test_the_check_sees_a_missing_row():
     rows = readme_rows("| `models.target` | `smollm2-135m-instruct` | the model |\n")
     assert set(config_keys()) - set(rows) and rows == {"models.target": "`smollm2-135m-instruct`"}
+    grouped = readme_rows("| `storage.retries`, `retry_backoff_s` | 4, 0.5 | x |\n| `run.progress`, `metrics` | true | y |\n")
+    assert grouped == {"storage.retries": "4", "storage.retry_backoff_s": "0.5", "run.progress": "true",
+                       "run.metrics": "true"}
