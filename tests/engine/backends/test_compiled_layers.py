@@ -28,7 +28,7 @@ NOT_COMPUTE = {"as_strided", "view", "reshape", "transpose", "unsqueeze", "slice
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama(layers=3)
+    return tiny_llama()          # the engine tests' target_model: its compiled layers are cached for them
 
 
 def runner(model, layers: str):
@@ -45,7 +45,7 @@ def ops_per_forward(r, *args) -> int:
 @pytest.mark.slow
 def test_same_logits_fewer_ops(model):
     eager, comp = runner(model, "off"), runner(model, "on")
-    assert comp.compiled_layers == 3 and comp.plan.layers == "compiled" and eager.plan.layers == "modules"
+    assert comp.compiled_layers == 2 and comp.plan.layers == "compiled" and eager.plan.layers == "modules"
     gen = torch.Generator().manual_seed(0)
     slots = [0, 1, 2]
     history = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (30, 12, 50)]
@@ -59,7 +59,7 @@ def test_same_logits_fewer_ops(model):
         starts = [s + len(n) for s, n in zip(starts, new)]
     args = (slots, starts, [[1, 2], [3], [4, 5, 6]])
     counts = [ops_per_forward(r, *args) for r in (eager, comp)]
-    assert counts[1] < 0.6 * counts[0], counts   # measured: 361 -> 124 (88 -> 9 per layer, 97 outside the layers)
+    assert counts[1] < 0.6 * counts[0], counts   # 88 -> 9 ops per layer, 97 outside the layers
 
 
 @pytest.mark.slow
