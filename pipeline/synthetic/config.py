@@ -272,6 +272,9 @@ def _check_references(stage: StageConfig, i: int, earlier: list[StageConfig], ke
             if fld not in allowed:
                 raise ConfigError(f"{key}.templates.{j}.text: {{{name}.{fld}}}: unknown field {fld!r}; a stage's "
                                   f"rows have {', '.join(allowed)}")
+            if fld == "record" and source.kind == "generate" and any(t.response_format is None for t in source.templates):
+                raise ConfigError(f"{key}.templates.{j}.text: {{{name}.record}}: stage {name!r} has templates without "
+                                  f"a response_format, whose rows have no record; use {{{name}.text}}")
 
 
 def _check_judge(stage: StageConfig, key: str) -> None:

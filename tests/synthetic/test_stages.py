@@ -68,6 +68,8 @@ def section(stages: list[dict]) -> SyntheticSection:
     (lambda s: s[1]["templates"][0].update(text="{answer.text}"), "synthetic.stages.1.templates.0.text: "
                                                                   "{answer.text}: 'answer' is not a stage"),
     (lambda s: s[1]["templates"][0].update(text="{task.body}"), "{task.body}: unknown field 'body'"),
+    (lambda s: s[1]["templates"][0].update(text="{task.record}"), "{task.record}: stage 'task' has templates without "
+                                                                 "a response_format"),
     (lambda s: s[2].update(accept=["good"]), "synthetic.stages.2.accept: expected choices of the score's enum"),
     (lambda s: s[1].update(id="seed"), "synthetic.stages.1.id: expected a name of letters"),
     (lambda s: s[1].update(id="task"), "synthetic.stages.1.id: stage ids must be unique"),
@@ -254,7 +256,7 @@ def test_three_stages_killed_after_the_first_resume_only_the_rest(tiny_model_dir
     assert kept_tasks and {r["parent_id"] for r in answers} == kept_tasks       # exactly the kept rows, once each
     assert len(answers) == len(kept_tasks) and all(r["task_id"] == r["parent_id"] for r in answers)
     for stage in ("task", "answer", "quality"):                                  # every stage's rows once
-        done = [r["id"] for f in (slot / f"stage={stage}").glob(f"synthetic-*/completions/*.parquet")
+        done = [r["id"] for f in (slot / f"stage={stage}").glob("synthetic-*/completions/*.parquet")
                 for r in pq.read_table(f).to_pylist()]
         assert len(done) == len(set(done)), stage
     by_task = {r["id"]: r for r in tasks}
