@@ -62,13 +62,14 @@ class Processor:
             remote["ray_remote_args_fn"] = functools.partial(replica_placement, ranks, cfg.num_cpus, cfg.num_gpus)
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type
-        # max_concurrency: the replica's calls running at once (each awaits its rows on the one engine);
-        # without it a replica holds one batch and its engine drains at every batch boundary (tested)
+        # max_concurrent_calls_per_actor: the replica's calls running at once (each awaits its rows on the
+        # one engine); without it a replica holds one batch and its engine drains at every batch boundary (tested)
         dataset = dataset.map_batches(
             SpecpipeStage, fn_constructor_args=(cfg,), batch_size=cfg.batch_size, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,
-                                               max_tasks_in_flight_per_actor=cfg.batches_per_replica),
-            max_concurrency=cfg.batches_per_replica, zero_copy_batch=True, **remote)
+                                               max_tasks_in_flight_per_actor=cfg.batches_per_replica,
+                                               max_concurrent_calls_per_actor=cfg.batches_per_replica),
+            zero_copy_batch=True, **remote)
         if self.postprocess is not None:
             dataset = dataset.map(self.postprocess, **self.postprocess_map_kwargs)
         return dataset
