@@ -165,5 +165,12 @@ class SlotFolder:
         """The Parquet files under `rel`, sorted."""
         return sorted(self.io(f"list {rel} in", lambda: self.fs.glob(self.p(f"{rel}/*.parquet"))))
 
+    def schema(self, path: str) -> pa.Schema:
+        """A Parquet file's schema, from its footer."""
+        def read():
+            with self.fs.open(path, "rb") as f:
+                return pq.read_schema(f)
+        return self.io(f"read the schema of {path} in", read)
+
     def rows(self, rel: str) -> list[dict]:
         return [r for f in self.tables(rel) for r in read_parquet(self.fs, f).to_pylist()]

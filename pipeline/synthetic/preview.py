@@ -14,7 +14,7 @@ from ..job.rows import RowError, job_columns, row_request
 from ..job.validity import structured_columns
 from .config import SyntheticJobConfig, ancestors, input_of, stage_sampling
 from .near_dup import NearDuplicates
-from .quality import FLAGS, judgment, quality_flags, row_check
+from .quality import FLAGS, add_signatures, judged_row, quality_flags, row_check
 from .stages import check_seed_fields, expand, expand_stage
 
 
@@ -66,9 +66,8 @@ def preview(cfg: SyntheticJobConfig, slot: str, n: int, seeds: list[dict], loade
             judged = {r["id"]: r for r in curated[parent.id]}
             curated[stage.id] = []
             for r in rows:
-                score, reason, rejected = judgment(stage, done[r["id"]]["record"] if done[r["id"]]["valid"] else None)
-                curated[stage.id].append({**judged[r["parent_id"]], f"judge_score_{stage.id}": score,
-                                          f"judge_reason_{stage.id}": reason, "is_kept": not rejected})
+                row, score, rejected = judged_row(stage, judged[r["parent_id"]], done[r["id"]])
+                curated[stage.id].append(row)
                 shown.append({"stage": stage.id, "template": r["template"], "id": r["parent_id"],
                               "prompt": r["prompt"], "text": done[r["id"]]["text"],
                               "flags": "rejected" if rejected else "", "score": score})
@@ -78,8 +77,7 @@ def preview(cfg: SyntheticJobConfig, slot: str, n: int, seeds: list[dict], loade
                    for k, r in enumerate(rows)]
         near = NearDuplicates(section.near_duplicates) if section.near_duplicates.enabled else None
         if near is not None:
-            for c, sig in zip(checked, near.signatures([done[c["id"]]["text"] or "" for c in checked])):
-                c["signature"] = sig if c["key"] is not None else None
+            add_signatures(checked, [done[r["id"]]["text"] for r in rows], near)
         flags = quality_flags(checked, near)
         curated[stage.id] = [{**r, **done[r["id"]], **flags[r["id"]]} for r in rows]
         for r in curated[stage.id]:

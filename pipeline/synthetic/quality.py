@@ -95,6 +95,13 @@ def row_check(r: dict, t: TemplateConfig | None) -> dict:
             "invalid_reason": reason}
 
 
+def add_signatures(checked: list[dict], texts: list[str | None], near: NearDuplicates) -> None:
+    """Each row_check row's MinHash `signature` from its text (None where the text is empty: not checked)."""
+    sigs = iter(near.signatures([t for c, t in zip(checked, texts) if c["key"] is not None]))
+    for c in checked:
+        c["signature"] = next(sigs) if c["key"] is not None else None
+
+
 def quality_flags(rows: list[dict], near: NearDuplicates | None = None) -> dict[str, dict]:
     """id -> flags, for row_check rows of one stage (plus `signature` where near-duplicates are on)."""
     first: dict[str, str] = {}
@@ -154,10 +161,7 @@ def curate(run: RunOutput, folder, input_url: str, storage, stage: StageConfig,
         rows = _read(url, storage, ["id", "source_row", "finish_reason", "text", "valid", "template"]).to_pylist()
         part = [row_check(r, templates.get(r["template"])) for r in rows]
         if near is not None:
-            texts = [r["text"] for r, c in zip(rows, part) if c["key"] is not None]
-            sigs = iter(near.signatures(texts))
-            for c in part:
-                c["signature"] = next(sigs) if c["key"] is not None else None
+            add_signatures(part, [r["text"] for r in rows], near)
         checked += part
     flags = quality_flags(checked, near)
     inputs = {r["id"]: r for r in _read(input_url, storage, ["id", "prompt", "sample"]).to_pylist()}
@@ -185,6 +189,14 @@ def judgment(stage: StageConfig, record: str | None) -> tuple[object, str | None
     return float(score), reason, stage.min_score is not None and score < stage.min_score
 
 
+def judged_row(stage: StageConfig, row: dict, answer: dict) -> tuple[dict, object, bool]:
+    """A judged row with the judge's columns, its score and whether it is rejected; `answer`: the
+    judge's completion {record, valid}."""
+    score, reason, rejected = judgment(stage, answer["record"] if answer["valid"] else None)
+    return ({**row, f"judge_score_{stage.id}": score, f"judge_reason_{stage.id}": reason,
+             f"is_rejected_{stage.id}": rejected, "is_kept": not rejected}, score, rejected)
+
+
 def judge_fields(stage: StageConfig) -> list[pa.Field]:
     score = pa.string() if stage.is_choice() else pa.float64()
     return [pa.field(f"judge_score_{stage.id}", score), pa.field(f"judge_reason_{stage.id}", pa.string()),
@@ -204,9 +216,7 @@ def curate_judged(run: RunOutput, folder, storage, stage: StageConfig, judged: d
     for uid, url in files.items():
         rows = []
         for j in _read(url, storage, ["parent_id", "record", "valid"]).to_pylist():
-            score, reason, rejected = judgment(stage, j["record"] if j["valid"] else None)
-            row = {**judged[j["parent_id"]], fields[0].name: score, fields[1].name: reason,
-                   fields[2].name: rejected, "is_kept": not rejected}
+            row, score, rejected = judged_row(stage, judged[j["parent_id"]], j)
             rows.append(row)
             counts["judged"] += 1
             counts["rejected"] += rejected

@@ -36,7 +36,8 @@ class StageRunner:
         self.plan, self.storage, self.stop, self.say = plan, storage, stop, say
         self.stages = plan.cfg.synthetic.stage_list()
         self.seeds = {s[plan.cfg.synthetic.id_column]: s for s in plan.seeds}
-        self.curated: dict[str, list[dict]] = {}        # stage id -> its curated rows, in file order
+        self.curated: dict[str, list[dict]] = {}        # stage id -> its curated rows, in file order, read
+        self.read_back = {a.id for i in range(len(self.stages)) for a in ancestors(i, self.stages)}   # back for these
         self.schemas: dict[str, pa.Schema] = {}
         self.summaries: list[dict] = []
         self.last_run: dict | None = None                # the last run_job summary of this invocation
@@ -79,14 +80,15 @@ class StageRunner:
                                       f"config to finish it, or remove {self.plan.url} to regenerate it: {e}") from None
                 self.last_run = run
                 quality = self._curate(sp, folder, url)
-            done = stage_summary(self.plan, sp, rows, run, quality, time.time() - t0)
+            done = stage_summary(self.plan, sp, url, len(rows), run, quality, time.time() - t0)
             if sp.marker:
                 folder.put("summary.json", json.dumps(done, indent=2).encode())
                 folder.put("_SUCCESS", b"")
-        self.curated[sp.stage.id] = folder.rows("curated")
+        if sp.stage.id in self.read_back:
+            self.curated[sp.stage.id] = folder.rows("curated")
         tables = folder.tables("kept")
-        if tables:
-            self.schemas[sp.stage.id] = read_parquet(folder.fs, tables[0]).schema
+        if tables:                                       # the card's features; a judge's input columns
+            self.schemas[sp.stage.id] = folder.schema(tables[0])
         self.summaries.append(done)
         return done
 
@@ -153,13 +155,13 @@ def empty_quality(stage) -> dict:
     return {"judged": 0, "rejected": 0, "kept": 0, "mean_score": None} if stage.kind == "judge" else count({})
 
 
-def stage_summary(plan: SlotPlan, sp: StagePlan, rows: list[dict], run: dict | None, quality: dict,
+def stage_summary(plan: SlotPlan, sp: StagePlan, url: str, rows: int, run: dict | None, quality: dict,
                   wall: float) -> dict:
     parent = input_of(sp.stage, sp.index, plan.cfg.synthetic.stage_list())
     flagged = {"rejected": quality.get("rejected", 0)} if sp.stage.kind == "judge" else \
         {f: quality.get(f, 0) for f in FLAGS}
     return {"id": sp.stage.id, "kind": sp.stage.kind, "input": parent.id if parent else None, "run_id": sp.run_id,
-            "output": sp.url, "input_url": input_url(sp, rows), "rows": len(rows), "kept": quality["kept"],
+            "output": sp.url, "input_url": url, "rows": rows, "kept": quality["kept"],
             "flagged": flagged, "quality": quality, "error_reasons": (run or {}).get("error_reasons", {}),
             **{k: (run or {}).get(k, 0 if k in ("completions", "errors", "tokens") else None) for k in RUN_KEYS},
             "committed_at": _now(), "wall_s": round(wall, 2)}
@@ -176,8 +178,7 @@ def slot_summary(plan: SlotPlan, stages: list[dict], owner: dict, wall: float) -
             **{k: sum(s[k] for s in stages) for k in ("completions", "errors", "tokens")},
             "error_reasons": dict(reasons), "config_hash": first["config_hash"], "units": first["units"],
             "quality": last["quality"], "kept": last["kept"], "stages": stages, "wall_s": round(wall, 2),
-            "synthetic": json.loads(json.dumps(_asdict(plan.cfg.synthetic))),
-            "schedule": _asdict(plan.cfg.schedule)}
+            "synthetic": dataclasses.asdict(plan.cfg.synthetic), "schedule": dataclasses.asdict(plan.cfg.schedule)}
 
 
 def _check_same_input(folder: SlotFolder, plan: SlotPlan, url: str) -> None:
@@ -189,10 +190,6 @@ def _check_same_input(folder: SlotFolder, plan: SlotPlan, url: str) -> None:
     if others:
         raise OutputError(f"slot {plan.slot} was started with another seed set/templates/samples ({others[0]}, "
                           f"now {ours}); rerun with that config to finish it, or remove {plan.url} to regenerate it")
-
-
-def _asdict(obj) -> dict:
-    return dataclasses.asdict(obj)
 
 
 def _now() -> str:

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -82,13 +83,8 @@ def section(stages: list[dict]) -> SyntheticSection:
 def test_bad_stage_configs_are_refused_naming_the_key(change, says):
     stages = stages_config()
     change(stages)
-    with pytest.raises(ConfigError, match=re_escape(says)):
+    with pytest.raises(ConfigError, match=re.escape(says)):
         section(stages)
-
-
-def re_escape(text: str) -> str:
-    import re
-    return re.escape(text)
 
 
 def test_an_unknown_seed_field_is_refused_before_any_work(tmp_path, capsys):
@@ -322,7 +318,6 @@ def test_preview_generates_every_stage_and_writes_nothing(tiny_model_dir, tmp_pa
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0
     said = buf.getvalue()
-    import re
     lines = said.splitlines()
     assert lines[0].split() == ["stage", "template", "prompt", "output", "flags", "score"]
     rows = [re.split(r"\s{2,}", l) for l in lines[2:] if l and not l.startswith("preview")]
