@@ -41,21 +41,23 @@ def main(argv=None) -> int:
 
     from pipeline.cluster.driver import connect
     from pipeline.job.config import ClusterConfig
-    from pipeline.processor import SpecpipeProcessorConfig, build_processor
-    # + 1 CPU for Ray Data's read and write tasks beside the replicas (a local Ray of exactly the replicas' CPUs
-    # would leave the reads none, and the dataset would wait forever)
-    started = connect(ClusterConfig(address=args.address), args.replicas * args.cpus_per_replica + 1)
+    from pipeline.errors import ConfigError
+    from pipeline.processor import SpecpipeProcessorConfig, actor_cpus, build_processor
+    ctx = ray.data.DataContext.get_current()
+    if args.checkpoint:
+        from ray.data.checkpoint import CheckpointConfig
+        ctx.checkpoint_config = CheckpointConfig(id_column=args.id_column, checkpoint_path=os.path.abspath(
+            args.checkpoint) if "://" not in args.checkpoint else args.checkpoint)
+    config = SpecpipeProcessorConfig(
+        models={"target": args.model}, drafting={"method": "ngram", "adaptive": True},
+        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
+        batch_size=args.batch_size, concurrency=args.replicas, num_cpus=args.cpus_per_replica,
+        id_column=args.id_column, rounds_path=args.rounds_path)
+    # a local Ray gets the CPUs of the dataset's actors (the replicas and, resuming from a checkpoint, Ray
+    # Data's checkpoint filter) + 1 for Ray Data's read, map and write tasks: with exactly the actors' CPUs
+    # the reads would get none and the dataset would wait forever (the processor refuses such a cluster)
+    started = connect(ClusterConfig(address=args.address), actor_cpus(config) + 1)
     try:
-        ctx = ray.data.DataContext.get_current()
-        if args.checkpoint:
-            from ray.data.checkpoint import CheckpointConfig
-            ctx.checkpoint_config = CheckpointConfig(id_column=args.id_column, checkpoint_path=os.path.abspath(
-                args.checkpoint) if "://" not in args.checkpoint else args.checkpoint)
-        config = SpecpipeProcessorConfig(
-            models={"target": args.model}, drafting={"method": "ngram", "adaptive": True},
-            sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
-            batch_size=args.batch_size, concurrency=args.replicas, num_cpus=args.cpus_per_replica,
-            id_column=args.id_column, rounds_path=args.rounds_path)
         text, max_tokens = args.text_column, args.max_tokens
         processor = build_processor(
             config,
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
         if args.blocks is not None:
             ds = ds.repartition(args.blocks)
         processor(ds).write_parquet(args.output if "://" in args.output else os.path.abspath(args.output))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     finally:
         if started:
             ray.shutdown()

@@ -23,11 +23,12 @@ import functools
 import logging
 from typing import Any, Callable, Optional
 
+from ..errors import ConfigError
 from .config import SpecpipeProcessorConfig
 from .rows import OUTPUT
 from .stage import SpecpipeStage, config_digest
 
-__all__ = ["OUTPUT", "Processor", "SpecpipeProcessorConfig", "build_processor"]
+__all__ = ["OUTPUT", "Processor", "SpecpipeProcessorConfig", "actor_cpus", "build_processor"]
 log = logging.getLogger(__name__)
 
 
@@ -53,10 +54,13 @@ class Processor:
         lo, hi = cfg.concurrency
         ranks = cfg.models.tensor_parallel_size
         cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
-        if cpus and lo * ranks * cfg.num_cpus >= cpus:
-            log.warning("the processor's %d replica(s) x %d rank(s) x %s CPUs take all %s CPUs of the cluster: Ray "
-                        "Data's read and write tasks get none and the dataset waits until the cluster grows; give "
-                        "the replicas fewer CPUs (num_cpus) or the cluster more", lo, ranks, cfg.num_cpus, cpus)
+        held, replicas_cpus = actor_cpus(cfg), lo * ranks * cfg.num_cpus
+        if cpus and held >= cpus:
+            filter_ = " + Ray Data's checkpoint filter" if held > replicas_cpus else ""
+            raise ConfigError(
+                f"num_cpus: the dataset's actors would hold {held:g} of the cluster's {cpus:g} CPUs ({lo} replica(s) x "
+                f"{ranks} rank(s) x {cfg.num_cpus:g} CPUs{filter_}), leaving Ray Data's read and write tasks none: "
+                "the dataset would wait forever; give the replicas fewer CPUs (num_cpus) or the cluster more")
         remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
         if ranks > 1:       # each replica's ranks in a placement group of its own (rank 0: the stage, bundle 0)
             remote["ray_remote_args_fn"] = functools.partial(replica_placement, ranks, cfg.num_cpus, cfg.num_gpus)
@@ -84,6 +88,20 @@ def build_processor(config: SpecpipeProcessorConfig, preprocess: Optional[Callab
     if unsupported:
         raise TypeError(f"build_processor: unsupported arguments {sorted(unsupported)}")
     return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
+
+
+def actor_cpus(config: SpecpipeProcessorConfig) -> float:
+    """The CPUs the dataset's actors hold for as long as it runs: the replicas' minimum pool (every rank
+    of each) and, where Ray Data checkpoints (`DataContext.checkpoint_config`), its CheckpointFilter
+    pool, one CPU per actor (Ray's default for actors: the checkpoint config has no CPU setting). Ray
+    Data's read, map and write tasks need CPUs beyond these."""
+    import ray.data
+    lo, _ = config.concurrency
+    held = lo * config.models.tensor_parallel_size * config.num_cpus
+    checkpoint = ray.data.DataContext.get_current().checkpoint_config
+    if checkpoint is not None:
+        held += getattr(checkpoint, "checkpoint_actor_pool_min_size", 1)
+    return held
 
 
 def replica_placement(ranks: int, num_cpus: float, num_gpus: float) -> dict:

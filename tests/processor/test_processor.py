@@ -172,46 +172,75 @@ def _output_ids(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, ray_head, tmp_path):
-    """jobs/ray_data_pipeline.py (read -> processor -> write, Ray Data's checkpointing by id) killed
-    once output has appeared, then rerun with the same command: every id in the output exactly once."""
+def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, tmp_path):
+    """jobs/ray_data_pipeline.py (read -> processor -> write, Ray Data's checkpointing by id) on the local
+    Ray it starts, with 1-CPU replicas, SIGKILLed once 3 output files exist, then rerun with the same
+    command: the rerun finishes (its checkpoint filter holds a CPU beside the replica's, and the local
+    Ray counts it) and every id is in the output exactly once."""
     rows = prompt_rows(240, "k")
     for i in range(0, 240, 6):
         write_parquet(tmp_path / "in" / f"part-{i:03d}.parquet", rows[i:i + 6], row_group_size=6)
     cmd = [sys.executable, str(ROOT / "jobs" / "ray_data_pipeline.py"), "--input", str(tmp_path / "in"),
            "--output", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ckpt"), "--id-column", "id",
-           "--text-column", "prompt", "--model", str(tiny_model_dir), "--max-tokens", "64", "--batch-size", "2", "--blocks", "40",
-           "--cpus-per-replica", "1", "--address", ray_head.address]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+           "--text-column", "prompt", "--model", str(tiny_model_dir), "--max-tokens", "64", "--batch-size", "2",
+           "--blocks", "40", "--cpus-per-replica", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and first.poll() is None and not glob.glob(str(tmp_path / "out" / "*.parquet")):
+    while time.time() < deadline and first.poll() is None and len(glob.glob(str(tmp_path / "out" / "*.parquet"))) < 3:
         time.sleep(0.05)
     assert first.poll() is None, first.stdout.read().decode()[-3000:]
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     written = _output_ids(tmp_path / "out")
     assert 0 < len(written) < len(rows), len(written)                # killed mid-way
-    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     ids = _output_ids(tmp_path / "out")
     assert sorted(ids) == sorted(r["id"] for r in rows), (len(ids), len(set(ids)))
 
 
-@pytest.mark.slow
-def test_replicas_taking_every_cpu_are_warned_about(tiny_model_dir, ray_session, caplog):
-    """Replicas holding all of the cluster's CPUs leave Ray Data's reads none (the dataset would wait):
-    building the pipeline says so (lazily: nothing runs here)."""
+def test_actor_cpus_count_the_checkpoint_filter(tiny_model_dir):
+    """The CPUs the dataset's actors hold: replicas x ranks x num_cpus, plus Ray Data's checkpoint filter
+    (one 1-CPU actor) where the DataContext checkpoints."""
     import ray.data
+    from ray.data.checkpoint import CheckpointConfig
+
+    from pipeline.processor import actor_cpus
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.checkpoint_config
+    try:
+        ctx.checkpoint_config = None
+        assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 3
+        ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint")
+        assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 4
+    finally:
+        ctx.checkpoint_config = saved
+
+
+@pytest.mark.slow
+def test_actors_taking_every_cpu_are_refused(tiny_model_dir, ray_session):
+    """Actors holding all of the cluster's CPUs leave Ray Data's reads none (the dataset would wait
+    forever): building the pipeline refuses it, naming num_cpus and the numbers, with Ray Data's
+    checkpoint filter counted (lazily: nothing runs here)."""
+    import ray.data
+    from ray.data.checkpoint import CheckpointConfig
     cpus = ray_session.cluster_resources()["CPU"]
-    with caplog.at_level("WARNING", logger="pipeline.processor"):
-        build_processor(processor_config(tiny_model_dir, num_cpus=cpus))(ray.data.from_items([{"prompt": "x"}]))
-    assert "take all" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="pipeline.processor"):
-        build_processor(processor_config(tiny_model_dir, num_cpus=1))(ray.data.from_items([{"prompt": "x"}]))
-    assert "take all" not in caplog.text
+    items = ray.data.from_items([{"prompt": "x"}])
+    with pytest.raises(ConfigError, match=rf"num_cpus: .*hold {cpus:g} of the cluster's {cpus:g} CPUs"):
+        build_processor(processor_config(tiny_model_dir, num_cpus=cpus))(items)
+    build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 1))(items)
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.checkpoint_config
+    try:
+        ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint")
+        with pytest.raises(ConfigError, match="checkpoint filter"):
+            build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 1))(items)
+        build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 2))(items)
+    finally:
+        ctx.checkpoint_config = saved
 
 
 @pytest.mark.slow
