@@ -18,6 +18,7 @@ writer; the row shape is rows.py's, its validation job/rows.py's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import json
@@ -28,6 +29,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from typing import Callable
 
 import pyarrow as pa
 
@@ -44,25 +46,37 @@ log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0          # how often a replica logs its tokens/s and acceptance
 
 
+class Refused(Exception):
+    """A row the engine thread did not queue: its RowError (validation, tokenization) or the engine's
+    RequestError, with its request id where it had one."""
+
+    def __init__(self, error: RowError | RequestError, request_id: str | None):
+        super().__init__(str(error))
+        self.error, self.request_id = error, request_id
+
+
 class EngineThread:
-    """Steps one engine on its own thread. `submit` (any thread) queues a request and returns a future
-    of its Completion (or the RequestError the engine refused it with). Only this thread touches the
-    engine. If a step raises, the thread stops and every pending and later request fails with it."""
+    """Steps one engine on its own thread. `submit` (any thread) queues a row's `prepare` (validation and
+    tokenization, as the job's engine loop does between steps, so that they never compete with a step
+    for its cores) and returns a future of its Completion (or Refused). Only this thread touches the
+    engine and names requests (a row's key, or a numbered copy while that key is in flight). If a step
+    raises, the thread stops and every pending and later request fails with it."""
 
     def __init__(self, engine, num_threads: int, on_step=None):
         self.engine, self.num_threads, self.on_step = engine, num_threads, on_step
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Future] = {}
+        self._copies = itertools.count()
         self.error: BaseException | None = None
         self.stats = {"rows": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "step_s": 0.0}
         threading.Thread(target=self._run, name="specpipe-engine", daemon=True).start()
 
-    def submit(self, request_id: str, row: RowRequest) -> Future:
+    def submit(self, prepare: Callable[[], RowRequest]) -> Future:
         future: Future = Future()
         if self.error is not None:
             future.set_exception(RuntimeError(f"the engine stopped: {self.error!r}"))
         else:
-            self._inbox.put((request_id, row, future))
+            self._inbox.put((prepare, future))
         return future
 
     def _run(self) -> None:
@@ -79,21 +93,29 @@ class EngineThread:
             for future in self._pending.values():
                 future.set_exception(RuntimeError(f"the engine stopped: {e!r}"))
             while not self._inbox.empty():
-                self._inbox.get()[2].set_exception(RuntimeError(f"the engine stopped: {e!r}"))
+                self._inbox.get()[1].set_exception(RuntimeError(f"the engine stopped: {e!r}"))
 
     def _admit(self, block: bool) -> None:
         while True:
             try:
-                request_id, row, future = self._inbox.get(block=block)
+                prepare, future = self._inbox.get(block=block)
             except queue.Empty:
                 return
             block = False
             try:
-                self.engine.add_request(request_id, row.prompt_ids, row.params, row.seed)
-            except RequestError as e:
-                future.set_exception(e)
+                row = prepare()
+            except RowError as e:
+                future.set_exception(Refused(e, None))
                 continue
-            self._pending[request_id] = future
+            rid = row.id
+            while rid in self._pending:
+                rid = f"{row.id}#{next(self._copies)}"
+            try:
+                self.engine.add_request(rid, row.prompt_ids, row.params, row.seed)
+            except RequestError as e:
+                future.set_exception(Refused(e, rid))
+                continue
+            self._pending[rid] = future
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -127,8 +149,6 @@ class SpecpipeStage:
         self.name = f"replica-{uuid.uuid4().hex[:8]}"
         self.tp = self._ranks() if config.models.tensor_parallel_size > 1 else None
         self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage, tp=self.tp)
-        self._ids = itertools.count()
-        self._in_flight: set[str] = set()
         self._rounds: dict[str, list[dict]] = {}        # request id -> its round rows (rounds log only)
         self._engine = EngineThread(self.loaded.engine, config.threads,
                                     self._keep_rounds if config.rounds_path else None)
@@ -184,41 +204,24 @@ class SpecpipeStage:
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         out: list[dict | None] = [None] * len(rows)
-        waiting: list[tuple[int, str, asyncio.Future]] = []
+        cfg, tokenizer = self.config, self.loaded.tokenizer
+        waiting = [asyncio.wrap_future(self._engine.submit(functools.partial(
+            row_request, row, self._columns, cfg.sampling, cfg.seed, tokenizer))) for row in rows]
+        done: list[tuple[Completion, float]] = []
         errors: list[dict] = []
         t0 = time.perf_counter()
-        for i, row in enumerate(rows):
-            try:
-                req = row_request(row, self._columns, self.config.sampling, self.config.seed,
-                                  self.loaded.tokenizer)
-            except RowError as e:
-                out[i] = self._refused(e, errors, row)
-                continue
-            rid = self._request_id(req.id)
-            waiting.append((i, rid, asyncio.wrap_future(self._engine.submit(rid, req))))
-        done: list[tuple[Completion, float]] = []
-        for i, rid, future in waiting:
+        for i, future in enumerate(waiting):
             try:
                 c = await future
-            except RequestError as e:
-                out[i] = self._refused(e, errors, rows[i], rid)
+            except Refused as e:
+                out[i] = self._refused(e.error, errors, rows[i], e.request_id)
             else:
                 out[i] = output_row(c)
                 done.append((c, time.perf_counter() - t0))
-            finally:
-                self._in_flight.discard(rid)
         if self._output is not None:
             self._log_unit(done, errors)
         self._maybe_log_stats()
         return with_output(batch, out)
-
-    def _request_id(self, key: str) -> str:
-        """The row's key, unless a row with the same key is in flight here (then a numbered copy)."""
-        rid = key
-        while rid in self._in_flight:
-            rid = f"{key}#{next(self._ids)}"
-        self._in_flight.add(rid)
-        return rid
 
     def _refused(self, e: RowError | RequestError, errors: list[dict], row: dict, rid: str | None = None) -> dict:
         if not self.config.should_continue_on_error:
