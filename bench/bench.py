@@ -4,7 +4,7 @@
 
 Each configuration runs in its own process (bench/run_one.py, or bench/vllm_runner.py inside
 bench/.venv-vllm for vLLM's CPU build), one after another, `--repeats` times, interleaved so that
-drift hits every configuration alike: each repeat runs all of ours, then vLLM's (one load per mode and
+drift hits every configuration alike (ours in reverse order on odd repeats, so none always runs first): each repeat runs all of ours, then vLLM's (one load per mode and
 repeat, both batch settings), so a ratio's two sides come from the same stretch of time. Reported: median tokens/s with min-max spread, acceptance,
 tokens per round, peak RSS, the fraction of outputs identical to our engine without a draft, and the
 speedup our cost model predicts from the measured acceptance and the calibrated draft and verify
@@ -206,7 +206,7 @@ def main() -> None:
     ours = [c for c in configs if "vllm" not in c]
     modes = sorted({c["vllm"] for c in configs if "vllm" in c})
     for rep in range(args.repeats):
-        for cfg in ours:
+        for cfg in (ours if rep % 2 == 0 else ours[::-1]):   # ABBA: no configuration always runs first
             res = run_config(cfg, args.model, files[cfg["n"]], workdir / f"{cfg['name']}_{rep}.json", common)
             runs[cfg["name"]].append(res)
             print(f"[{rep}] {cfg['name']}: " + (f"{res['tokens_per_s']:.1f} tok/s" if "error" not in res

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MAINTAINED = ["bench", "run_one", "make_prompts", "make_templated", "prompts", "structured", "structured_bench",
               "drafter_workloads", "tree_bench", "pipeline_bench", "reader_memory", "step_bench", "linear_kernels",
-              "start_cost", "gpu_bench", "vllm_runner", "tp_bench", "synthetic_bench", "near_dup_bench"]
+              "start_cost", "gpu_bench", "vllm_runner", "tp_bench", "synthetic_bench", "near_dup_bench", "raydata_llm_bench"]
 RESEARCH = ["attention_kernel", "draft_rounds", "drafter_sim", "gpu_profile", "grammar_backends", "linear_plans",
             "read_bandwidth", "step_split", "suffix_lookup", "topk_replay", "tree_replay", "tree_step", "allreduce"]
 SCRIPTS = MAINTAINED + [f"research.{name}" for name in RESEARCH]
