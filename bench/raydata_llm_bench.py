@@ -23,7 +23,8 @@ vLLM's KV cache: --kv-cache-gb.
 
 Reported per arm, median [min, max] over the repeats:
   wall_s / rows_per_s / tokens_per_s   from before Ray starts to the last row written (load included)
-  ready_s     when the replica's actor is ALIVE (its model loaded), from the same start
+  ready_s     when the replica's actor is ALIVE (its model loaded), from the same start; the job: wall
+              minus its generate time (first worker ready -> last unit committed)
   steady_tokens_per_s   tokens / (wall - ready): generation with the pipeline around it, without the load
   peak_pss_mb  the most memory (PSS, so the object store's shared pages count once) of the arm's process
                tree at once: the driver, Ray's processes, the replica, vLLM's engine process
@@ -165,9 +166,8 @@ def run_job(args, out: Path) -> dict:
     wall = time.time() - t0
     comps = [r for f in sorted((out / "bench" / "completions").glob("*.parquet"))
              for r in pq.read_table(f, columns=["id", "token_ids"]).to_pylist()]
-    ready = s["workers_ready_s"] + (wall - s["wall_s"] if "wall_s" in s else 0.0)
     return {"rows": s["rows"], "tokens": s["tokens"], "wall_s": wall, "rows_per_s": s["rows"] / wall,
-            "tokens_per_s": s["tokens"] / wall, "ready_s": ready,
+            "tokens_per_s": s["tokens"] / wall, "ready_s": wall - s["generate_s"],   # all but generating
             "steady_tokens_per_s": s["tokens"] / s["generate_s"],
             "outputs": {c["id"]: c["token_ids"] for c in comps}}
 
@@ -210,16 +210,17 @@ def run_arm(name: str, args) -> dict:
     cmd = [python, str(ROOT / "bench" / "raydata_llm_bench.py"), "--one", name, *passthrough(args)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
-    log = open(Path(args.work) / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)
-    peak = 0.0
-    while proc.poll() is None:
-        peak = max(peak, tree_pss_mb(proc.pid))
-        time.sleep(1.0)
-    line = [l for l in proc.stdout.read().splitlines() if l.startswith("RESULT ")]
+    log_path = Path(args.work) / f"{name}.log"
+    with open(log_path, "w") as log:      # a file, not a pipe: Ray forwards every worker's output here
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        peak = 0.0
+        while proc.poll() is None:
+            peak = max(peak, tree_pss_mb(proc.pid))
+            time.sleep(1.0)
+    line = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not line:
-        raise SystemExit(f"{name} failed (rc {proc.returncode}): see {log.name}")
+        raise SystemExit(f"{name} failed (rc {proc.returncode}): see {log_path}")
     return {**json.loads(line[0][7:]), "peak_pss_mb": peak}
 
 

@@ -143,6 +143,7 @@ class SpecpipeStage:
         from ..job.runtime import build_engine
         self.config = config
         self._columns = processor_columns(config.id_column)
+        _show_progress()
         os.environ["TOKENIZERS_PARALLELISM"] = "false"   # tokenizing between steps; its pool would spin
         torch.set_num_threads(config.threads)
         t0 = time.perf_counter()
@@ -255,8 +256,21 @@ class SpecpipeStage:
         self._last_log = now
         s = self._engine.stats
         rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-        log.info("%s: %d rows, %d tokens, %.1f tokens/s, acceptance %.2f, %d steps",
-                 self.name, s["rows"], s["tokens"], s["tokens"] / max(now - self._t0, 1e-9), rate, s["steps"])
+        log.info("%s: %d rows, %d tokens, %.1f tokens/s, acceptance %.2f, %d steps taking %.1f of %.1f s",
+                 self.name, s["rows"], s["tokens"], s["tokens"] / max(now - self._t0, 1e-9), rate, s["steps"],
+                 s["step_s"], now - self._t0)
+
+
+def _show_progress() -> None:
+    """The replica's load line and its tokens/s and acceptance every STATS_EVERY_S on its stderr, which
+    Ray forwards to the driver under the actor's name (a worker's own logging shows WARNING and up)."""
+    pkg = logging.getLogger("pipeline.processor")
+    if not pkg.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        pkg.addHandler(handler)
+        pkg.setLevel(logging.INFO)
+        pkg.propagate = False
 
 
 def config_digest(config: SpecpipeProcessorConfig) -> str:
