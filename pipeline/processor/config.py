@@ -4,13 +4,16 @@ The engine sections are the job's own dataclasses (`models`, `drafting`, `engine
 same keys and checks as the YAML), each also accepted as a plain dict; the rest says how Ray Data
 runs the stage (batch size, replicas, resources) and what happens to bad rows and the rounds log.
 
-Mapping from Ray Data LLM's `vLLMEngineProcessorConfig`:
+Mapping from Ray Data LLM's `vLLMEngineProcessorConfig` (README, "Inside a Ray Data pipeline", has it whole):
     model_source                 models.target (and models.draft for a draft model)
-    engine_kwargs                engine (max_num_seqs, max_model_len, ...) and drafting
-    batch_size, concurrency      batch_size, concurrency (an int, or a (min, max) autoscaling range)
+    engine_kwargs                engine (max_num_seqs, max_model_len, ...), models (dtype, tensor_parallel_size)
+                                 and drafting (its speculative_config)
+    batch_size, concurrency      batch_size, concurrency (an int: a fixed pool; a (min, max) autoscaling range)
+    max_concurrent_batches       batches_per_replica (also Ray Data's tasks in flight per replica)
     accelerator_type             accelerator_type (with num_gpus per replica)
-    should_continue_on_error     should_continue_on_error (on by default here)
-    apply_chat_template          always: rows with `messages` take the tokenizer's chat template
+    placement_group_config       from num_cpus, num_gpus and models.tensor_parallel_size
+    should_continue_on_error     should_continue_on_error (on by default here); the error column is `error`
+    chat_template/tokenize/detokenize stages   in the replica: rows with `messages` take the tokenizer's template
     row["sampling_params"]       row["sampling_params"] (the keys of SamplingParams; others are errors)
 
 Knows the engine's and the job's configs; knows nothing about Ray.

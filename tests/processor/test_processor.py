@@ -298,3 +298,24 @@ def test_processor_rank_killed_mid_run_every_row_answered_once(tiny_model_dir, r
     assert killed, f"no rank was killed: {errors}"
     assert sorted(r["id"] for r in done) == sorted(r["id"] for r in rows)
     assert all(r["error"] is None for r in done)
+
+
+def test_replica_progress_lines_reach_stderr(capfd):
+    """A Ray worker's own logging drops INFO: the replica's load and tokens/s lines get a stderr handler
+    (which Ray forwards to the driver), once however many replicas a process holds."""
+    import logging
+
+    from pipeline.processor import stage
+    pkg = logging.getLogger("pipeline.processor")
+    saved = (list(pkg.handlers), pkg.level, pkg.propagate)
+    pkg.handlers.clear()
+    try:
+        stage._show_progress()
+        stage._show_progress()
+        assert len(pkg.handlers) == 1
+        stage.log.info("replica-x: 3 rows, 40 tokens")
+        assert "replica-x: 3 rows, 40 tokens" in capfd.readouterr().err
+    finally:
+        pkg.handlers[:] = saved[0]
+        pkg.setLevel(saved[1])
+        pkg.propagate = saved[2]
