@@ -20,7 +20,7 @@ MAINTAINED = ["bench", "run_one", "make_prompts", "make_templated", "prompts", "
               "drafter_workloads", "tree_bench", "pipeline_bench", "reader_memory", "step_bench", "linear_kernels",
               "start_cost", "gpu_bench", "vllm_runner", "tp_bench", "synthetic_bench", "near_dup_bench", "raydata_llm_bench"]
 RESEARCH = ["attention_kernel", "draft_rounds", "drafter_sim", "gpu_profile", "grammar_backends", "linear_plans",
-            "read_bandwidth", "step_split", "suffix_lookup", "topk_replay", "tree_replay", "tree_step", "allreduce"]
+            "read_bandwidth", "step_split", "suffix_lookup", "topk_replay", "tree_replay", "tree_step", "allreduce", "engine_ab"]
 SCRIPTS = MAINTAINED + [f"research.{name}" for name in RESEARCH]
 LIBRARIES = ["common", "hf_baselines", "prompts"]          # imported by the scripts
 SHELL = ["gpu_check.sh", "setup_vllm.sh", "research/alternating.sh", "research/ab_commits.sh"]
