@@ -182,7 +182,7 @@ def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, tmp_path):
         write_parquet(tmp_path / "in" / f"part-{i:03d}.parquet", rows[i:i + 6], row_group_size=6)
     cmd = [sys.executable, str(ROOT / "jobs" / "ray_data_pipeline.py"), "--input", str(tmp_path / "in"),
            "--output", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ckpt"), "--id-column", "id",
-           "--text-column", "prompt", "--model", str(tiny_model_dir), "--max-tokens", "64", "--batch-size", "2",
+           "--text-column", "prompt", "--model", str(tiny_model_dir), "--max-tokens", "16", "--batch-size", "2",
            "--blocks", "40", "--cpus-per-replica", "1"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
