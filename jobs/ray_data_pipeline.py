@@ -48,16 +48,17 @@ def main(argv=None) -> int:
         from ray.data.checkpoint import CheckpointConfig
         ctx.checkpoint_config = CheckpointConfig(id_column=args.id_column, checkpoint_path=os.path.abspath(
             args.checkpoint) if "://" not in args.checkpoint else args.checkpoint)
-    config = SpecpipeProcessorConfig(
-        models={"target": args.model}, drafting={"method": "ngram", "adaptive": True},
-        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
-        batch_size=args.batch_size, concurrency=args.replicas, num_cpus=args.cpus_per_replica,
-        id_column=args.id_column, rounds_path=args.rounds_path)
-    # a local Ray gets the CPUs of the dataset's actors (the replicas and, resuming from a checkpoint, Ray
-    # Data's checkpoint filter) + 1 for Ray Data's read, map and write tasks: with exactly the actors' CPUs
-    # the reads would get none and the dataset would wait forever (the processor refuses such a cluster)
-    started = connect(ClusterConfig(address=args.address), actor_cpus(config) + 1)
+    started = False
     try:
+        config = SpecpipeProcessorConfig(
+            models={"target": args.model}, drafting={"method": "ngram", "adaptive": True},
+            sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
+            batch_size=args.batch_size, concurrency=args.replicas, num_cpus=args.cpus_per_replica,
+            id_column=args.id_column, rounds_path=args.rounds_path)
+        # a local Ray gets the CPUs of the dataset's actors (the replicas and, resuming from a checkpoint, Ray
+        # Data's checkpoint filter) + 1 for Ray Data's read, map and write tasks: with exactly the actors' CPUs
+        # the reads would get none and the dataset would wait forever (the processor refuses such a cluster)
+        started = connect(ClusterConfig(address=args.address), actor_cpus(config) + 1)
         text, max_tokens = args.text_column, args.max_tokens
         processor = build_processor(
             config,

@@ -54,9 +54,9 @@ class Processor:
         lo, hi = cfg.concurrency
         ranks = cfg.models.tensor_parallel_size
         cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
-        held, replicas_cpus = actor_cpus(cfg), lo * ranks * cfg.num_cpus
+        held = actor_cpus(cfg)
         if cpus and held >= cpus:
-            filter_ = " + Ray Data's checkpoint filter" if held > replicas_cpus else ""
+            filter_ = " + Ray Data's checkpoint filter" if checkpoint_filter_cpus() else ""
             raise ConfigError(
                 f"num_cpus: the dataset's actors would hold {held:g} of the cluster's {cpus:g} CPUs ({lo} replica(s) x "
                 f"{ranks} rank(s) x {cfg.num_cpus:g} CPUs{filter_}), leaving Ray Data's read and write tasks none: "
@@ -95,13 +95,15 @@ def actor_cpus(config: SpecpipeProcessorConfig) -> float:
     of each) and, where Ray Data checkpoints (`DataContext.checkpoint_config`), its CheckpointFilter
     pool, one CPU per actor (Ray's default for actors: the checkpoint config has no CPU setting). Ray
     Data's read, map and write tasks need CPUs beyond these."""
-    import ray.data
     lo, _ = config.concurrency
-    held = lo * config.models.tensor_parallel_size * config.num_cpus
+    return lo * config.models.tensor_parallel_size * config.num_cpus + checkpoint_filter_cpus()
+
+
+def checkpoint_filter_cpus() -> int:
+    """The CPUs of Ray Data's CheckpointFilter pool where the DataContext checkpoints, else 0."""
+    import ray.data
     checkpoint = ray.data.DataContext.get_current().checkpoint_config
-    if checkpoint is not None:
-        held += getattr(checkpoint, "checkpoint_actor_pool_min_size", 1)
-    return held
+    return 0 if checkpoint is None else getattr(checkpoint, "checkpoint_actor_pool_min_size", 1)
 
 
 def replica_placement(ranks: int, num_cpus: float, num_gpus: float) -> dict:

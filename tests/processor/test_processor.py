@@ -202,7 +202,7 @@ def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, tmp_path):
     assert sorted(ids) == sorted(r["id"] for r in rows), (len(ids), len(set(ids)))
 
 
-def test_actor_cpus_count_the_checkpoint_filter(tiny_model_dir):
+def test_actor_cpus_count_the_checkpoint_filter(tiny_model_dir, monkeypatch):
     """The CPUs the dataset's actors hold: replicas x ranks x num_cpus, plus Ray Data's checkpoint filter
     (one 1-CPU actor) where the DataContext checkpoints."""
     import ray.data
@@ -210,18 +210,14 @@ def test_actor_cpus_count_the_checkpoint_filter(tiny_model_dir):
 
     from pipeline.processor import actor_cpus
     ctx = ray.data.DataContext.get_current()
-    saved = ctx.checkpoint_config
-    try:
-        ctx.checkpoint_config = None
-        assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 3
-        ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint")
-        assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 4
-    finally:
-        ctx.checkpoint_config = saved
+    monkeypatch.setattr(ctx, "checkpoint_config", None)
+    assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 3
+    monkeypatch.setattr(ctx, "checkpoint_config", CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint"))
+    assert actor_cpus(processor_config(tiny_model_dir, concurrency=(2, 4), num_cpus=1.5)) == 4
 
 
 @pytest.mark.slow
-def test_actors_taking_every_cpu_are_refused(tiny_model_dir, ray_session):
+def test_actors_taking_every_cpu_are_refused(tiny_model_dir, ray_session, monkeypatch):
     """Actors holding all of the cluster's CPUs leave Ray Data's reads none (the dataset would wait
     forever): building the pipeline refuses it, naming num_cpus and the numbers, with Ray Data's
     checkpoint filter counted (lazily: nothing runs here)."""
@@ -232,15 +228,11 @@ def test_actors_taking_every_cpu_are_refused(tiny_model_dir, ray_session):
     with pytest.raises(ConfigError, match=rf"num_cpus: .*hold {cpus:g} of the cluster's {cpus:g} CPUs"):
         build_processor(processor_config(tiny_model_dir, num_cpus=cpus))(items)
     build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 1))(items)
-    ctx = ray.data.DataContext.get_current()
-    saved = ctx.checkpoint_config
-    try:
-        ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint")
-        with pytest.raises(ConfigError, match="checkpoint filter"):
-            build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 1))(items)
-        build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 2))(items)
-    finally:
-        ctx.checkpoint_config = saved
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "checkpoint_config",
+                        CheckpointConfig(id_column="id", checkpoint_path="/tmp/unused-checkpoint"))
+    with pytest.raises(ConfigError, match="checkpoint filter"):
+        build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 1))(items)
+    build_processor(processor_config(tiny_model_dir, num_cpus=cpus - 2))(items)
 
 
 @pytest.mark.slow
