@@ -12,6 +12,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,3 +74,24 @@ def run_vllm_runner(model_dir: Path, prompts_file: Path, out: Path, *, mode: str
            "--mode", mode, "--batch", batch, "--n-b1", str(n_b1), "--repeats", str(repeats),
            "--max-num-batched-tokens", "4096", *extra, "--out", str(out)]
     return run_json(cmd, out, VLLM_ENV)
+
+
+class ReadyWatch:
+    """When the first actor whose class names `needle` is ALIVE (its __init__, the model load, done),
+    read from the GCS every 0.25 s."""
+
+    def __init__(self, needle: str, t0: float):
+        self.needle, self.t0, self.ready_s = needle, t0, None
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        from ray._private import state
+        while self.ready_s is None:
+            try:
+                for a in state.actors().values():
+                    if a.get("State") == "ALIVE" and self.needle in str(a.get("ActorClassName", "")) + str(
+                            a.get("Name", "")) + str(a.get("ReprName", "")):
+                        self.ready_s = time.time() - self.t0
+            except Exception:  # noqa: BLE001 -- the GCS not up yet
+                pass
+            time.sleep(0.25)

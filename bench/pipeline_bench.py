@@ -12,7 +12,8 @@ Each measurement runs in a fresh process (--one), alternating configurations acr
            and generate (first unit handed out -> last unit committed).
 - processor: the same rows through the Ray Data processor (pipeline/processor/) on a local Ray it
            starts, one replica: read_parquet -> processor -> rows back. Reported: wall (Ray start ->
-           last row, incl. actor start and model load), compared with the job's wall.
+           last row, incl. actor start and model load), ready (Ray start -> the replica's actor alive,
+           its model loaded) and generate (ready -> last row), compared with the job's wall and generate.
 Pipeline overhead at 1 worker = job generate time / engine time - 1, with the same threads.
 Nothing else may run on the machine meanwhile (2 cores).
 """
@@ -103,6 +104,7 @@ def run_job_once(args, workers: int, threads: int) -> dict:
              for r in pq.read_table(f, columns=["id", "token_ids"]).to_pylist()]
     shutil.rmtree(out, ignore_errors=True)
     return {"rows": s["rows"], "tokens": s["tokens"], "wall_s": wall, "generate_s": s["generate_s"],
+            "ready_s": wall - s["generate_s"],      # all but generating: plan, Ray start, workers ready
             "workers_ready_s": s["workers_ready_s"], "engine_step_s": s["engine_step_s"], "steps": s["engine_steps"], "tokens_per_s": s["tokens"] / s["generate_s"],
             "end_to_end_tokens_per_s": s["tokens"] / wall, "rows_per_s": s["rows"] / s["generate_s"],
             "outputs": {c["id"]: c["token_ids"] for c in comps}}
@@ -117,22 +119,34 @@ def run_processor_once(args, replicas: int, threads: int) -> dict:
     from pipeline.cluster.driver import connect
     from pipeline.job.config import ClusterConfig, load_config
     from pipeline.processor import SpecpipeProcessorConfig, build_processor
+    from bench.common import ReadyWatch
     cfg = load_config(None, job_overrides(args, replicas, threads, Path("/tmp/unused")))
-    t0 = time.perf_counter()
+    t0 = time.time()
     connect(ClusterConfig(), replicas * threads + 1)          # + 1: Ray Data's read tasks beside the replicas
+    watch = ReadyWatch("SpecpipeStage", t0)
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = SpecpipeProcessorConfig(models=cfg.models, drafting=cfg.drafting, engine=cfg.engine,
                                      sampling=cfg.sampling, batch_size=args.rows_per_unit, concurrency=replicas,
                                      num_cpus=threads, id_column="id")
     out = build_processor(config)(ray.data.read_parquet(args.shards)).select_columns(
         ["id", "generated_tokens", "error"]).take_all()
-    wall = time.perf_counter() - t0
+    wall = time.time() - t0
     ray.shutdown()
     if any(r["error"] for r in out):
         raise SystemExit(f"processor rows failed: {[r['error'] for r in out if r['error']][:3]}")
     tokens = sum(len(r["generated_tokens"]) for r in out)
-    return {"tokens": tokens, "wall_s": wall, "end_to_end_tokens_per_s": tokens / wall,
+    ready = watch.ready_s or float("nan")
+    return {"tokens": tokens, "wall_s": wall, "end_to_end_tokens_per_s": tokens / wall, "ready_s": ready,
+            "generate_s": wall - ready, "tokens_per_s": tokens / (wall - ready),
             "outputs": {r["id"]: list(r["generated_tokens"]) for r in out}}
+
+
+def replica_steps(log: str) -> dict:
+    """The processor replica's engine steps and their seconds, from its last summary line (it logs one
+    when its engine drains; Ray forwards it to the driver's stderr); {} where there is none."""
+    import re
+    found = re.findall(r"replica-\w+: \d+ rows, \d+ tokens, .*?, (\d+) steps taking ([\d.]+) of", log)
+    return {"steps": int(found[-1][0]), "engine_step_s": float(found[-1][1])} if found else {}
 
 
 def one(args) -> None:
@@ -155,7 +169,7 @@ def suite(args) -> None:
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not line:
                 raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            results[name].append(json.loads(line[0][7:]))
+            results[name].append({**json.loads(line[0][7:]), **replica_steps(proc.stderr)})
             r = results[name][-1]
             gen = f", generate {r['generate_s']:.1f} s, {r['tokens_per_s']:.1f} tok/s" if "generate_s" in r else ""
             print(f"rep {rep} {name}: {r['tokens']} tokens{gen}"
@@ -170,8 +184,9 @@ def suite(args) -> None:
         summary["configs"][name] = entry
     c = summary["configs"]
     if {"processor-1r-2t", "job-1w-2t"} <= set(c):
-        summary["processor_vs_job_end_to_end_1w_2t"] = (c["processor-1r-2t"]["end_to_end_tokens_per_s"]["median"]
-                                                        / c["job-1w-2t"]["end_to_end_tokens_per_s"]["median"])
+        for k in ("end_to_end_tokens_per_s", "tokens_per_s"):
+            summary[f"processor_vs_job_{k}_1w_2t"] = (c["processor-1r-2t"][k]["median"]
+                                                      / c["job-1w-2t"][k]["median"])
     if set(c) != set(CONFIGS):
         return _write(args, summary)
     summary["overhead_1w_2t"] = c["job-1w-2t"]["generate_s"]["median"] / c["engine-2t"]["generate_s"]["median"] - 1

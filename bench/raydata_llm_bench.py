@@ -40,11 +40,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.common import ReadyWatch  # noqa: E402 -- after the path, as the arms run this file directly
+
 VLLM_PY = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
 MODEL = "smollm2-135m-instruct"
 ARMS = ("rdllm-plain", "rdllm-ngram", "ours-plain", "ours-default", "job")
@@ -57,27 +59,6 @@ def stamp(row: dict) -> dict:
     """Postprocess of both processors: the columns compared, and when the row came out."""
     return {"id": row["id"], "generated_tokens": [int(t) for t in row["generated_tokens"]],
             "num_generated_tokens": int(row["num_generated_tokens"] or 0), "t": time.time()}
-
-
-class ReadyWatch:
-    """When the first actor whose class names `needle` is ALIVE (its __init__, the model load, done),
-    read from the GCS every 0.25 s."""
-
-    def __init__(self, needle: str, t0: float):
-        self.needle, self.t0, self.ready_s = needle, t0, None
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        from ray._private import state
-        while self.ready_s is None:
-            try:
-                for a in state.actors().values():
-                    if a.get("State") == "ALIVE" and self.needle in str(a.get("ActorClassName", "")) + str(
-                            a.get("Name", "")) + str(a.get("ReprName", "")):
-                        self.ready_s = time.time() - self.t0
-            except Exception:  # noqa: BLE001 -- the GCS not up yet
-                pass
-            time.sleep(0.25)
 
 
 def read_output(folder: Path) -> list[dict]:
@@ -154,11 +135,11 @@ def run_ours(args, out: Path) -> dict:
 
 
 def run_job(args, out: Path) -> dict:
+    t0 = time.time()                  # before the imports, as the processor arms' start
     import pyarrow.parquet as pq
 
     from pipeline.cluster.driver import run_job as run
     from pipeline.job.config import load_config
-    t0 = time.time()
     s = run(load_config(None, [
         f"models.target={MODEL}", f"models.dtype={args.dtype}", f"sampling.max_tokens={args.max_tokens}",
         "sampling.temperature=0", f"input.path={args.shards}", f"output.path={out}", "run.run_id=bench",
@@ -286,11 +267,7 @@ def main() -> None:
     p.add_argument("--work", default=str(ROOT / "bench" / "out" / "raydata_llm_work"))
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "raydata_llm.json"))
     args = p.parse_args()
-    if args.one:
-        sys.path.insert(0, str(ROOT))
-        one(args)
-    else:
-        suite(args)
+    one(args) if args.one else suite(args)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,12 @@ class EngineThread:
     tokenization, as the job's engine loop does between steps, so that they never compete with a step
     for its cores) and returns a future of its Completion (or Refused). Only this thread touches the
     engine and names requests (a row's key, or a numbered copy while that key is in flight). If a step
-    raises, the thread stops and every pending and later request fails with it."""
+    raises, the thread stops and every pending and later request fails with it. `on_idle` runs (on this
+    thread) each time the engine drains: it has stepped since the last drain, runs nothing and has
+    nothing queued (the end of a dataset, or a stall in its input)."""
 
-    def __init__(self, engine, num_threads: int, on_step=None):
-        self.engine, self.num_threads, self.on_step = engine, num_threads, on_step
+    def __init__(self, engine, num_threads: int, on_step=None, on_idle=None):
+        self.engine, self.num_threads, self.on_step, self.on_idle = engine, num_threads, on_step, on_idle
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Future] = {}
         self._copies = itertools.count()
@@ -82,10 +84,16 @@ class EngineThread:
     def _run(self) -> None:
         import torch
         torch.set_num_threads(self.num_threads)       # OpenMP thread counts are per thread
+        busy = False
         try:
             while True:
+                if busy and not self.engine.has_unfinished() and self._inbox.empty():
+                    busy = False
+                    if self.on_idle is not None:
+                        self.on_idle()
                 self._admit(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
+                    busy = True
                     self._step()
         except BaseException as e:  # noqa: BLE001 -- every waiting row must hear about it
             self.error = e
@@ -152,7 +160,7 @@ class SpecpipeStage:
         self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage, tp=self.tp)
         self._rounds: dict[str, list[dict]] = {}        # request id -> its round rows (rounds log only)
         self._engine = EngineThread(self.loaded.engine, config.threads,
-                                    self._keep_rounds if config.rounds_path else None)
+                                    self._keep_rounds if config.rounds_path else None, self._log_stats)
         self._output = (RunOutput(config.rounds_path, config.run_id, config.storage)
                         if config.rounds_path else None)
         self._stamp = {"target_model": self.loaded.target_id, "draft_model": self.loaded.draft_id,
@@ -250,10 +258,12 @@ class SpecpipeStage:
         self._output.write_unit(uid, tables, {"rows": len(done) + len(errors), "worker": self.name})
 
     def _maybe_log_stats(self) -> None:
-        now = time.perf_counter()
-        if now - self._last_log < STATS_EVERY_S:
-            return
-        self._last_log = now
+        if time.perf_counter() - self._last_log >= STATS_EVERY_S:
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        """The replica's totals since it loaded (every STATS_EVERY_S and whenever its engine drains)."""
+        now = self._last_log = time.perf_counter()
         s = self._engine.stats
         rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
         log.info("%s: %d rows, %d tokens, %.1f tokens/s, acceptance %.2f, %d steps taking %.1f of %.1f s",
@@ -262,8 +272,9 @@ class SpecpipeStage:
 
 
 def _show_progress() -> None:
-    """The replica's load line and its tokens/s and acceptance every STATS_EVERY_S on its stderr, which
-    Ray forwards to the driver under the actor's name (a worker's own logging shows WARNING and up)."""
+    """The replica's load line and its tokens/s and acceptance (every STATS_EVERY_S and when its engine
+    drains) on its stderr, which Ray forwards to the driver under the actor's name (a worker's own
+    logging shows WARNING and up)."""
     pkg = logging.getLogger("pipeline.processor")
     if not pkg.handlers:
         handler = logging.StreamHandler()

@@ -311,3 +311,39 @@ def test_replica_progress_lines_reach_stderr(capfd):
         pkg.handlers[:] = saved[0]
         pkg.setLevel(saved[1])
         pkg.propagate = saved[2]
+
+
+def test_engine_thread_reports_each_drain_once(target_model):
+    """`on_idle` (the replica's summary line) runs once each time the engine runs out of work, never while
+    rows run or wait: five rows through two slots drain once, two rows submitted later drain again."""
+    import threading
+    from concurrent.futures import wait
+
+    from conftest import make_engine
+
+    from pipeline.job.rows import RowRequest
+    from pipeline.processor.stage import EngineThread
+    engine = make_engine(target_model, "none", max_num_seqs=2)
+    running_at_drain: list[bool] = []
+    thread = EngineThread(engine, 1, on_idle=lambda: running_at_drain.append(engine.has_unfinished()))
+    params, gate = SamplingParams(max_tokens=6, temperature=0.0), threading.Event()
+
+    def request(i):
+        def prepare():
+            gate.wait()                      # all five are queued before the engine thread admits any
+            return RowRequest(f"r{i}", [1 + i, 2, 3, 4], params, 0)
+        return prepare
+
+    def drains(n):
+        deadline = time.time() + 10
+        while len(running_at_drain) < n and time.time() < deadline:
+            time.sleep(0.01)
+        return running_at_drain
+    first = [thread.submit(request(i)) for i in range(5)]
+    gate.set()
+    assert all(len(f.result(timeout=60).output_ids) == 6 for f in first)
+    assert drains(1) == [False]
+    wait([thread.submit(request(i)) for i in range(5, 7)], timeout=60)
+    assert drains(2) == [False, False]
+    time.sleep(0.2)
+    assert running_at_drain == [False, False]
