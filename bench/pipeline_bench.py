@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.pipeline_bench --suite --n 32 --max-tokens 64 --repeats 3 --out bench/out/pipeline.json
     .venv/bin/python -m bench.pipeline_bench --suite --configs job-1w-2t processor-1r-2t --n 64 --max-tokens 128 --batch 32 --rows-per-unit 16 --repeats 3 --out bench/out/processor.json
+    (and --configs job-1w-1t processor-1r-1t: one thread each, a core left to Ray Data's driver and actors)
 
 Each measurement runs in a fresh process (--one), alternating configurations across repeats:
 - engine:  build_engine + SpecEngine.run over the pre-tokenized prompts, all queued at once, after a
@@ -41,6 +42,7 @@ CONFIGS = {   # name -> (mode, workers, threads per worker)
     "job-1w-1t": ("job", 1, 1),
     "job-2w-1t": ("job", 2, 1),
     "processor-1r-2t": ("processor", 1, 2),
+    "processor-1r-1t": ("processor", 1, 1),
 }
 
 
@@ -183,10 +185,11 @@ def suite(args) -> None:
         entry["identical_to_engine"] = sum(r["outputs"] == reference for r in runs) / len(runs)
         summary["configs"][name] = entry
     c = summary["configs"]
-    if {"processor-1r-2t", "job-1w-2t"} <= set(c):
-        for k in ("end_to_end_tokens_per_s", "tokens_per_s"):
-            summary[f"processor_vs_job_{k}_1w_2t"] = (c["processor-1r-2t"][k]["median"]
-                                                      / c["job-1w-2t"][k]["median"])
+    for t in ("1t", "2t"):
+        if {f"processor-1r-{t}", f"job-1w-{t}"} <= set(c):
+            for k in ("end_to_end_tokens_per_s", "tokens_per_s"):
+                summary[f"processor_vs_job_{k}_1w_{t}"] = (c[f"processor-1r-{t}"][k]["median"]
+                                                          / c[f"job-1w-{t}"][k]["median"])
     if set(c) != set(CONFIGS):
         return _write(args, summary)
     summary["overhead_1w_2t"] = c["job-1w-2t"]["generate_s"]["median"] / c["engine-2t"]["generate_s"]["median"] - 1
