@@ -265,9 +265,9 @@ class SpecpipeStage:
         """The replica's totals since it loaded (every STATS_EVERY_S and whenever its engine drains)."""
         now = self._last_log = time.perf_counter()
         s = self._engine.stats
-        rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-        log.info("%s: %d rows, %d tokens, %.1f tokens/s, acceptance %.2f, %d steps taking %.1f of %.1f s",
-                 self.name, s["rows"], s["tokens"], s["tokens"] / max(now - self._t0, 1e-9), rate, s["steps"],
+        drafts = f"acceptance {s['accepted'] / s['drafted']:.2f}" if s["drafted"] else "nothing drafted"
+        log.info("%s: %d rows, %d tokens, %.1f tokens/s, %s, %d steps taking %.1f of %.1f s",
+                 self.name, s["rows"], s["tokens"], s["tokens"] / max(now - self._t0, 1e-9), drafts, s["steps"],
                  s["step_s"], now - self._t0)
 
 

@@ -347,3 +347,22 @@ def test_engine_thread_reports_each_drain_once(target_model):
     assert drains(2) == [False, False]
     time.sleep(0.2)
     assert running_at_drain == [False, False]
+
+
+def test_replica_summary_line_says_when_nothing_was_drafted(caplog):
+    """The replica's totals: acceptance where it drafted, "nothing drafted" (not an acceptance of 0) where it did not."""
+    import logging
+    import types
+
+    from pipeline.processor.stage import SpecpipeStage
+    stage = object.__new__(SpecpipeStage)
+    stage.name, stage._t0 = "replica-x", time.perf_counter() - 2.0
+    stats = {"rows": 3, "tokens": 40, "drafted": 0, "accepted": 0, "steps": 12, "step_s": 1.5}
+    stage._engine = types.SimpleNamespace(stats=stats)
+    with caplog.at_level(logging.INFO, logger="pipeline.processor"):
+        stage._log_stats()
+        stats.update(drafted=8, accepted=6)
+        stage._log_stats()
+    first, second = [r.getMessage() for r in caplog.records]
+    assert first.startswith("replica-x: 3 rows, 40 tokens, ") and "nothing drafted, 12 steps taking 1.5 of" in first
+    assert "acceptance 0.75, 12 steps" in second
