@@ -69,7 +69,8 @@ def run_engine(args, threads: int) -> dict:
 
     from pipeline.job.config import load_config
     from pipeline.engine import SamplingParams
-    from pipeline.job.runtime import build_engine, prompt_ids
+    from pipeline.job.rows import prompt_ids
+    from pipeline.job.runtime import build_engine
     torch.set_num_threads(threads)
     cfg = load_config(None, job_overrides(args, 1, threads, Path("/tmp/unused")))
     loaded = build_engine(cfg.models, cfg.drafting, cfg.engine)

@@ -46,7 +46,7 @@ def write_inputs(workdir: Path, n: int, model: str) -> tuple[Path, Path, Path]:
     """Prompts (token ids, chat template applied), their formats, and the all-null formats."""
     from transformers import AutoTokenizer
 
-    from pipeline.job.runtime import prompt_ids
+    from pipeline.job.rows import prompt_ids
     from pipeline.loading.models import resolve_hf_dir
     tok = AutoTokenizer.from_pretrained(resolve_hf_dir(model), local_files_only=True)
     data = rows(n)

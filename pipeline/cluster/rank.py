@@ -13,8 +13,6 @@ import os
 
 from ..io.storage import StorageConfig
 from ..job.config import ModelsConfig
-from ..job.replica import serve_rank
-from ..loading.models import ModelSpec
 from .faults import FaultPlan
 
 
@@ -32,7 +30,9 @@ class RankWorker:
         import torch
 
         from ..io.reader import storage_options
+        from ..job.replica import serve_rank
         from ..loading.hardware import resolve_dtype
+        from ..loading.models import ModelSpec
         m = self.models
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         torch.set_num_threads(max(1, self.threads))

@@ -7,12 +7,15 @@ threads, reading rows, committing or Ray.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from ..engine import Completion, RoundRecord
 from ..job.validity import structured_columns
 from ..io.reader import Unit
 from ..job.config import JobConfig
 from .feeding import UnitState
+
+if TYPE_CHECKING:
+    from ..engine import Completion, RoundRecord
 
 
 class Recorder:

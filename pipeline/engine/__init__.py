@@ -1,15 +1,26 @@
-"""The speculative decoding engine. See engine.py for the round and the glossary."""
-from .config import DraftingConfig, EngineConfig, SuffixParams, TreeParams
-from .core.request import RequestError, SamplingParams
-from .drafting.base import DraftBatch, Drafter, NoDrafter
-from .drafting.draft_model import DraftModelDrafter
-from .drafting.hybrid import HybridDrafter
-from .drafting.ngram import NgramDrafter
-from .drafting.suffix import SuffixDrafter
-from .engine import Completion, RoundRecord, SpecEngine, StepOutput
-from .model.plan import Kernels
-from .model.runner import ModelRunner
+"""The speculative decoding engine. See engine.py for the round and the glossary.
 
-__all__ = ["Completion", "DraftBatch", "Drafter", "DraftingConfig", "DraftModelDrafter", "EngineConfig",
-           "HybridDrafter", "Kernels", "ModelRunner", "NgramDrafter", "NoDrafter", "RequestError", "RoundRecord",
-           "SamplingParams", "SpecEngine", "StepOutput", "SuffixDrafter", "SuffixParams", "TreeParams"]
+Its names load on first use (PEP 562), so that the configs and request types (config.py,
+core/request.py) import without torch: a driver reads them without loading the engine."""
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "DraftingConfig": ".config", "EngineConfig": ".config", "SuffixParams": ".config", "TreeParams": ".config",
+    "RequestError": ".core.request", "SamplingParams": ".core.request",
+    "DraftBatch": ".drafting.base", "Drafter": ".drafting.base", "NoDrafter": ".drafting.base",
+    "DraftModelDrafter": ".drafting.draft_model", "HybridDrafter": ".drafting.hybrid",
+    "NgramDrafter": ".drafting.ngram", "SuffixDrafter": ".drafting.suffix",
+    "Completion": ".engine", "RoundRecord": ".engine", "SpecEngine": ".engine", "StepOutput": ".engine",
+    "Kernels": ".model.plan", "ModelRunner": ".model.runner",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -20,7 +20,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..engine.config import DraftingConfig, EngineConfig
 from ..engine.core.request import RequestError, SamplingParams
-from ..engine.grammar.library import check_format
 from ..errors import ConfigError, one_of
 from ..io.reader import InputConfig
 from ..io.storage import StorageConfig
@@ -149,6 +148,7 @@ class JobConfig:
 
     def __post_init__(self):
         if self.sampling.response_format is not None:
+            from ..engine.grammar.library import check_format    # torch and llguidance: only where a format is set
             try:
                 check_format(self.sampling.constraint)      # compiles it (no tokenizer needed)
             except RequestError as e:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 from ..engine import RequestError, SamplingParams
 from ..io.reader import InputConfig
-from .runtime import prompt_ids
 
 # per-row overrides of the sampling defaults and the type each must have
 ROW_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
@@ -221,3 +220,14 @@ def _as_text(value) -> str | None:
     if value is None or isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat prompt: the tokenizer's chat template (with the generation prompt) when it
+    has one, else the plain encoding."""
+    if messages is None:
+        messages = [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer.encode("\n".join(m["content"] for m in messages))

@@ -129,14 +129,3 @@ def free_drafter(drafting: DraftingConfig, kind: str, device: str) -> NgramDraft
     if kind == "suffix":
         return SuffixDrafter(drafting.suffix, device=device, tree=tree)
     return NgramDrafter(drafting.ngram_min, drafting.ngram_max, device=device, tree=tree)
-
-
-def prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-    """Token ids of a chat prompt: the tokenizer's chat template (with the generation prompt) when it
-    has one, else the plain encoding."""
-    if messages is None:
-        messages = [{"role": "user", "content": prompt}]
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return tokenizer.encode("\n".join(m["content"] for m in messages))

@@ -6,11 +6,14 @@ jsonschema, independently of the grammar library.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import jsonschema
 
-from ..engine import Completion
 from ..engine.core.response_format import parse_response_format
+
+if TYPE_CHECKING:
+    from ..engine import Completion
 
 
 def check_record(text: str | None, response_format: str) -> tuple[bool, str | None]:

@@ -13,13 +13,17 @@ Knows the row shape and the engine's records; validating a row is job/rows.py's;
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from ..cluster.records import acceptance
-from ..engine import Completion, RequestError
+from ..engine.core.request import RequestError
 from ..job.rows import SAMPLING_KEYS, RowColumns, RowError
 from ..job.validity import structured_columns
+
+if TYPE_CHECKING:
+    from ..engine import Completion
 
 OUTPUT = pa.schema([
     ("generated_text", pa.string()),

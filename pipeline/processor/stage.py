@@ -29,18 +29,21 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 
 from ..cluster.records import completion_row, round_row
-from ..engine import Completion, RequestError, StepOutput
+from ..engine.core.request import RequestError
 from ..io.schema import to_table
 from ..io.writer import RunOutput
 from ..job.config import ENGINE_NOT_HASHED
 from ..job.rows import RowError, RowRequest, row_request
 from .config import SpecpipeProcessorConfig
 from .rows import error_row, output_row, processor_columns, row_error, with_output
+
+if TYPE_CHECKING:
+    from ..engine import Completion, StepOutput
 
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0          # how often a replica logs its tokens/s and acceptance

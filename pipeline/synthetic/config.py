@@ -20,7 +20,6 @@ from typing import Any, Optional
 
 from ..engine.core.request import RequestError, SamplingParams
 from ..engine.core.response_format import FormatError, parse_response_format
-from ..engine.grammar.library import check_format
 from ..errors import ConfigError
 from ..io.reader import InputConfig
 from ..job.config import JobConfig, RunConfig, load_config
@@ -71,6 +70,7 @@ class TemplateConfig:
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"{key}.samples: expected >= 1 or null, got {self.samples}")
         if self.response_format is not None:
+            from ..engine.grammar.library import check_format    # torch and llguidance: only where a format is set
             try:
                 fmt = parse_response_format(self.response_format)
                 if fmt is not None:

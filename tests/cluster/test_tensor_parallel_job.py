@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.cluster.driver import run_job
 from pipeline.engine.parallel.shard import Split
-from pipeline.job.runtime import build_engine, prompt_ids
+from pipeline.job.rows import prompt_ids
+from pipeline.job.runtime import build_engine
 from pipeline.loading.models import ModelSpec, load_model
 from pipeline_util import check_exactly_once, job_config, read_run, shards
 

@@ -74,7 +74,7 @@ def smollm():
 
 @pytest.fixture(scope="module")
 def prompts(smollm):
-    from pipeline.job.runtime import prompt_ids
+    from pipeline.job.rows import prompt_ids
     _, tokenizer = smollm
     return {name: prompt_ids(tokenizer, messages=[SYSTEM, *chat]) for name, chat in CHATS.items()}
 

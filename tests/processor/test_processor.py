@@ -107,7 +107,8 @@ def test_processor_end_to_end(tiny_model_dir, ray_session, tmp_path):
     prompts, and the rounds log read back by the report."""
     import ray.data
 
-    from pipeline.job.runtime import build_engine, prompt_ids
+    from pipeline.job.rows import prompt_ids
+    from pipeline.job.runtime import build_engine
     from pipeline.report.summary import load
     rows = prompt_rows(14, "p") + [
         {"id": "bad-empty", "prompt": " "}, {"id": "bad-sampling", "prompt": "Hello", "sampling_params": {"top_p": 3.0}},
@@ -242,7 +243,8 @@ def test_processor_at_two_ranks_writes_the_tokens_of_one(tiny_model_dir, ray_ses
     rank's, row for row."""
     import ray.data
 
-    from pipeline.job.runtime import build_engine, prompt_ids
+    from pipeline.job.rows import prompt_ids
+    from pipeline.job.runtime import build_engine
     rows = prompt_rows(10, "t")
     cfg = processor_config(tiny_model_dir, models={"target": str(tiny_model_dir), "dtype": "float32",
                                                    "tensor_parallel_size": 2},

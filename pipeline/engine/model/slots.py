@@ -18,11 +18,13 @@ It knows nothing about requests or drafting.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import AUTO
 from .hf_config import head_dim, text_config
+
+if TYPE_CHECKING:
+    import torch
 
 BEST = {"cpu": 256, "cuda": 256}       # CPU: the most rows the measurement tries; CUDA: the count taken
 MEMORY_SHARE = {"cpu": 0.25, "cuda": 0.5}   # of the memory free now, for the KV stores
@@ -44,6 +46,7 @@ def slot_bytes(model, max_model_len: int) -> int:
 
 def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
         for line in f:
