@@ -22,7 +22,8 @@ they never schedule beside the replica) and its engine placed by a CPU bundle (i
 vLLM's KV cache: --kv-cache-gb.
 
 Reported per arm, median [min, max] over the repeats:
-  wall_s / rows_per_s / tokens_per_s   from before Ray starts to the last row written (load included)
+  wall_s / rows_per_s / tokens_per_s   from the arm's first import (Ray, the pipeline) to the last row
+              written (load included)
   ready_s     when the replica's actor is ALIVE (its model loaded), from the same start; the job: wall
               minus its generate time (first worker ready -> last unit committed)
   steady_tokens_per_s   tokens / (wall - ready): generation with the pipeline around it, without the load
