@@ -1,6 +1,7 @@
 """What a driver imports: the job's, the synthetic job's and a Ray Data pipeline's driver read configs,
 plan work and start actors, and never load torch, transformers or llguidance themselves (about 4 s and
-several hundred MB on two cores); the workers and replicas load them with the model. Each check runs a
+several hundred MB on two cores; llguidance only to check a job-wide response_format); the workers and
+replicas load them with the model. Each check runs a
 fresh interpreter, so modules other tests imported do not hide an import."""
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def test_drivers_import_no_torch():
 ])
 def test_driver_configs_import_no_torch(code):
     assert loaded_after(code) == []
+
+
+def test_a_job_wide_response_format_is_checked_without_torch():
+    """The driver compiles a job-wide format (llguidance) to refuse a bad one before any actor starts;
+    the grammar library's torch is the workers' (masks), not the check's."""
+    code = ("from pipeline.job.config import load_config\n"
+            "load_config('configs/demo.yaml', ['sampling.response_format={type: json_object}'])")
+    assert loaded_after(code) == ["llguidance"]
 
 
 def test_the_probe_sees_an_import():

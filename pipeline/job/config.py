@@ -148,7 +148,7 @@ class JobConfig:
 
     def __post_init__(self):
         if self.sampling.response_format is not None:
-            from ..engine.grammar.library import check_format    # torch and llguidance: only where a format is set
+            from ..engine.grammar.library import check_format    # llguidance: only where a format is set
             try:
                 check_format(self.sampling.constraint)      # compiles it (no tokenizer needed)
             except RequestError as e:

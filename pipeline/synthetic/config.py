@@ -70,7 +70,7 @@ class TemplateConfig:
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"{key}.samples: expected >= 1 or null, got {self.samples}")
         if self.response_format is not None:
-            from ..engine.grammar.library import check_format    # torch and llguidance: only where a format is set
+            from ..engine.grammar.library import check_format    # llguidance: only where a format is set
             try:
                 fmt = parse_response_format(self.response_format)
                 if fmt is not None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from ..core.request import RequestError
 from ..core.response_format import ResponseFormat
+
+if TYPE_CHECKING:
+    import torch
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -62,6 +65,7 @@ class Grammars:
         self.words = (vocab_size + 31) // 32            # int32 words per mask
         self._cache: OrderedDict[tuple[str, str], tuple[str, llguidance.LLMatcher]] = OrderedDict()
         self.eos_ids = set(tokenizer.eos_tokens)
+        import torch             # here, not at the top: check_format (a driver's config check) needs no torch
         self.eos_only = torch.zeros(self.words, dtype=torch.int32)     # the mask past an EOS: EOS alone
         for t in self.eos_ids:
             self.eos_only[t >> 5] |= torch.tensor(1 << (t & 31)).to(torch.int32)
