@@ -43,10 +43,10 @@ def _missing(marker: str) -> str | None:
     if marker == "gpu":
         return None if torch.cuda.is_available() else "needs a CUDA device (torch sees none)"
     if marker == "avx512_bf16":
-        from pipeline.loading.hardware import cpu_flags
+        from pipeline.engine.backends.cpu.isa import cpu_flags
         return None if "avx512_bf16" in cpu_flags() else "needs a CPU with avx512_bf16 (the bf16 kernels' instructions)"
     if marker == "amx_bf16":
-        from pipeline.loading.hardware import cpu_flags
+        from pipeline.engine.backends.cpu.isa import cpu_flags
         return None if "amx_bf16" in cpu_flags() else "needs a CPU with amx_bf16 (the AMX kernel's tiles)"
     if marker == "needs_cc":
         from pipeline.engine.backends.cpu.build import compiler

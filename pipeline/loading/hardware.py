@@ -6,8 +6,8 @@
   - CPU: bfloat16 when the CPU has bf16 dot-product instructions, `avx512_bf16` (Cooper Lake, Zen 4+)
     or AMX (`amx_bf16`, Sapphire Rapids+); else float32. Plain AVX-512 or AVX2 without them
     converts bf16 in software: bf16 matmuls measured ~5x slower than fp32 on an AVX2 EPYC.
-The CPU flags come from `torch.cpu.get_capabilities()` (cpuinfo, any OS), falling back to the
-`flags` line of /proc/cpuinfo on Linux. Not used, on purpose: `torch.ops.mkldnn.
+The CPU flags are the product's one reading of them (engine/backends/cpu/isa.py: /proc/cpuinfo, else
+torch's cpuinfo; SPECPIPE_CPU_FLAGS_OFF masks flags). Not used, on purpose: `torch.ops.mkldnn.
 _is_mkldnn_bf16_supported()` is also true for plain AVX-512 (oneDNN can emulate bf16 there), and
 `torch.backends.cpu.get_cpu_capability()` names only the vector width (AVX2/AVX512).
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+from ..engine.backends.cpu.isa import cpu_flags
 
 AUTO = "auto"
 EXPLICIT_DTYPES = ("float32", "bfloat16", "float16")
@@ -31,27 +33,6 @@ class DtypeChoice:
 
     def describe(self) -> str:
         return f"{self.dtype} ({self.reason})"
-
-
-def cpu_flags() -> frozenset[str]:
-    """Names of this CPU's instruction-set features (cpuinfo names, as in /proc/cpuinfo)."""
-    try:
-        import torch
-        return frozenset(name for name, on in torch.cpu.get_capabilities().items() if on is True)
-    except (ImportError, AttributeError, RuntimeError):
-        return proc_cpuinfo_flags()
-
-
-def proc_cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The first `flags` line of /proc/cpuinfo (Linux x86), or no flags where there is none."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cuda_has_bf16(device: str) -> bool:

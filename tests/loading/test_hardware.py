@@ -5,7 +5,8 @@ import torch
 
 from pipeline.engine import DraftingConfig, EngineConfig
 from pipeline.job.config import ModelsConfig
-from pipeline.loading.hardware import DtypeChoice, cpu_flags, proc_cpuinfo_flags, resolve_dtype
+from pipeline.engine.backends.cpu.isa import MASK_ENV, cpu_flags, masked, proc_cpuinfo_flags
+from pipeline.loading.hardware import DtypeChoice, resolve_dtype
 from pipeline.report.summary import model_lines
 
 AVX2 = {"avx", "avx2", "fma"}
@@ -59,14 +60,20 @@ def test_proc_cpuinfo_flags(tmp_path):
     assert proc_cpuinfo_flags(str(tmp_path / "missing")) == frozenset()
 
 
-def test_real_probes_agree_with_proc_cpuinfo():
-    """torch's cpuinfo and the kernel's flags name the same bf16 instructions on this machine."""
+def test_real_probes_agree_with_proc_cpuinfo(monkeypatch):
+    """torch's cpuinfo (the reading off Linux) and /proc/cpuinfo name the same bf16 instructions on
+    this machine, and `auto` follows them; masked, they are gone for every choice."""
     proc = proc_cpuinfo_flags()
     if not proc:
-        pytest.skip("no /proc/cpuinfo flags line (not Linux x86)")
+        pytest.skip("no /proc/cpuinfo flags line (not Linux)")
+    monkeypatch.delenv(MASK_ENV, raising=False)
     bf16 = {"avx512_bf16", "amx_bf16"}
-    assert cpu_flags() & bf16 == proc & bf16
+    torch_flags = {name for name, on in torch.cpu.get_capabilities().items() if on is True}
+    assert cpu_flags() == proc and torch_flags & bf16 == proc & bf16
     assert resolve_dtype("auto", "cpu").dtype == ("bfloat16" if proc & bf16 else "float32")
+    monkeypatch.setenv(MASK_ENV, " avx512*, amx_* ")
+    assert not cpu_flags() & (bf16 | {"avx512f"}) and cpu_flags() | masked() == proc
+    assert resolve_dtype("auto", "cpu") == DtypeChoice("float32", "auto: CPU has no avx512_bf16/amx_bf16")
 
 
 def test_auto_is_the_config_default():

@@ -19,7 +19,7 @@ from ..backends.cpu.attention import AMX_FLAGS, CpuAttention
 from ..backends.cpu.attention import policy as cpu_attention_policy
 from ..backends.cpu.fused import FusedOps
 from ..backends.cpu.fused import policy as cpu_fused_policy
-from ..backends.cpu.build import lacks
+from ..backends.cpu.isa import lacks
 from ..backends.cpu.linear import AMX_FLAVOUR, FLAVOURS, LinearPlan, PanelKernel
 from ..backends.cpu.linear import policy as cpu_linear_policy
 from ..backends.compiled import policy as compiled_layers_policy

@@ -6,6 +6,7 @@ chi-square tests run the engine on it too: it is the default on CPU fp32.)"""
 import copy
 import ctypes
 import pickle
+import subprocess
 
 import pytest
 import torch
@@ -14,10 +15,9 @@ from torch import nn
 from conftest import mixed_prompts, tiny_llama
 from pipeline.errors import ConfigError
 from pipeline.job.config import load_config
-from pipeline.engine.backends.cpu import attention as cpu_attention, build as cpu_kernels, linear as cpu_linear
+from pipeline.engine.backends.cpu import attention as cpu_attention, build as cpu_kernels, isa, linear as cpu_linear
 from pipeline.engine.model.plan import Kernels
 from pipeline.engine.model.runner import build_runner
-from pipeline.loading.hardware import cpu_flags
 
 # Only a missing compiler skips: a kernel that builds but fails its self-check fails these tests.
 pytestmark = pytest.mark.needs_cc
@@ -29,9 +29,26 @@ def test_build_is_cached_and_keyed(tmp_path, monkeypatch, source):
     first = cpu_kernels.build(source)
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build(source) == first and first.stat().st_mtime_ns == mtime    # reused, not rebuilt
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : some other cpu")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"some", "other", "cpu"}))
     assert cpu_kernels.build(source) != first                                          # another CPU: its own build
     assert len(list(tmp_path.glob(f"{source.stem}-*.so"))) == 2
+
+
+def test_masked_flags_build_without_their_instructions(tmp_path, monkeypatch):
+    """SPECPIPE_CPU_FLAGS_OFF: the kernels are built as for a CPU without the masked flags, in their own
+    cache entry, and the library holds none of their instructions (no 512-bit registers with AVX-512
+    masked, however many the host has)."""
+    if not isa.host_flags() & {"avx2", "avx512f"}:
+        pytest.skip("needs an x86 CPU with AVX2 or AVX-512 (the flags masked here)")
+    monkeypatch.setenv("SPECPIPE_KERNEL_CACHE", str(tmp_path))
+    native = cpu_kernels.build(cpu_linear.SOURCE)
+    monkeypatch.setenv(isa.MASK_ENV, "avx512*,amx*")
+    assert not {f for f in isa.cpu_flags() if f.startswith(("avx512", "amx"))}
+    assert ("-mno-avx512f" in isa.compiler_off()) == ("avx512f" in isa.host_flags())
+    masked = cpu_kernels.build(cpu_linear.SOURCE)
+    assert masked != native
+    listing = subprocess.run(["objdump", "-d", str(masked)], capture_output=True, text=True, check=True).stdout
+    assert "zmm" not in listing and "ymm" in listing                        # AVX2's registers, not AVX-512's
 
 
 def test_header_edit_rebuilds(tmp_path, monkeypatch):
@@ -64,7 +81,7 @@ def test_a_cpu_without_the_instructions_compiles_nothing_and_the_plan_names_it(m
 
     def no_build(*args, **kwargs):
         raise AssertionError("compiled a kernel the CPU cannot run")
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse avx2 avx512f")
+    monkeypatch.setenv(isa.MASK_ENV, "avx512*,amx*")           # an AVX2-only CPU, whatever this one is
     monkeypatch.setattr(cpu_kernels, "build", no_build)
     with caplog.at_level("WARNING"):
         for source, needs in ((cpu_linear.SOURCE_AMX, cpu_linear.AMX_FLAVOUR.needs),
@@ -74,8 +91,8 @@ def test_a_cpu_without_the_instructions_compiles_nothing_and_the_plan_names_it(m
             assert found is None and reason.startswith(cpu_kernels.CPU_LACKS) and "avx512_bf16" in reason
     assert not caplog.records
     cpu = torch.device("cpu")
-    assert cpu_lacks(cpu, torch.bfloat16) == ("panel-linear (no avx512_bf16), amx-linear (no amx_bf16 amx_tile "
-                                              "avx512_bf16), amx-attention (no amx_bf16 amx_tile avx512_bf16)")
+    assert cpu_lacks(cpu, torch.bfloat16) == ("panel-linear (no avx512f avx512_bf16), amx-linear (no amx_bf16 "
+                                              "amx_tile avx512_bf16), amx-attention (no amx_bf16 amx_tile avx512_bf16)")
     assert cpu_lacks(cpu, torch.float32) == "" and cpu_lacks(torch.device("meta"), torch.bfloat16) == ""
 
 
@@ -83,9 +100,8 @@ def kernel(dtype=torch.float32) -> cpu_linear.PanelKernel:
     return cpu_linear.policy("on", torch.device("cpu"), dtype)
 
 
-# The bf16 kernel needs the CPU's bf16 dot products (avx512_bf16): only their absence skips its
+# The bf16 kernel needs the CPU's bf16 dot products (avx512f, avx512_bf16): only their absence skips its
 # tests; where the CPU has them, a kernel that fails to build or its self-check fails them.
-HAS_BF16_CPU = "avx512_bf16" in cpu_flags()
 
 
 def test_panels_layout():
@@ -258,11 +274,12 @@ def test_modes():
     assert cpu_linear.policy("auto", cpu, torch.float16) is None                    # oneDNN / torch then
     with pytest.raises(RuntimeError, match="float16"):
         cpu_linear.policy("on", cpu, torch.float16)
-    if HAS_BF16_CPU:
+    missing = isa.lacks(cpu_linear.FLAVOURS[torch.bfloat16].needs)                # as this CPU (or its mask) is
+    if not missing:
         assert cpu_linear.policy("auto", cpu, torch.bfloat16).dtype == torch.bfloat16
-    else:                                                                           # no avx512_bf16 here
+    else:
         assert cpu_linear.policy("auto", cpu, torch.bfloat16) is None
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        with pytest.raises(RuntimeError, match=f"{cpu_kernels.CPU_LACKS} {', '.join(missing)}"):
             cpu_linear.policy("on", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu_linear"):
         cpu_linear.policy("maybe", cpu, torch.float32)

@@ -1,10 +1,11 @@
 """Building our C kernels (csrc/*.c) for the CPU this process runs on.
 
 Each kernel is one C file, built with the system C compiler the first time a runner asks for it
-(about a second): -O3, the host's own vector instructions (-march=native), OpenMP (torch's runtime
-is the one loaded). The shared library is cached under SPECPIPE_KERNEL_CACHE (default
-~/.cache/specpipe/kernels), keyed by the source (and the headers beside it), the compiler and the CPU's instruction-set flags, so
-a home directory shared by unlike machines gets one build per kind, and a source edit rebuilds.
+(about a second): -O3, the host's own vector instructions (-march=native, less those isa.py masks),
+OpenMP (torch's runtime is the one loaded). The shared library is cached under SPECPIPE_KERNEL_CACHE
+(default ~/.cache/specpipe/kernels), keyed by the source (and the headers beside it), the compiler and
+the CPU's instruction-set flags (isa.py), so a home directory shared by unlike machines gets one build
+per kind, and a source edit rebuilds.
 Concurrent workers may build the same file: the last atomic rename wins, with identical content.
 
 The kernels' modules (attention.py, linear.py, fused.py) load the library with ctypes and check it
@@ -24,6 +25,8 @@ from typing import Callable, TypeVar
 
 from pipeline.engine.config import MODES
 
+from .isa import compiler_off, cpu_flags, lacks
+
 K = TypeVar("K")
 CPU_LACKS = "this CPU lacks"     # how a kernel's reason starts where the CPU has not its instructions
 log = logging.getLogger(__name__)
@@ -33,28 +36,10 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): part of the build's cache key,
-    because the build targets this CPU (-march=native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def lacks(needs: tuple[str, ...]) -> list[str]:
-    """Which of the instruction-set flags `needs` (cpuinfo names) this CPU does not report."""
-    have = set(cpu_flags().split(":", 1)[-1].split())
-    return [flag for flag in needs if flag not in have]
-
-
 def _arch_flags() -> list[str]:
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i686"):
-        return ["-march=native"]
+        return ["-march=native", *compiler_off()]      # less any instructions SPECPIPE_CPU_FLAGS_OFF masks
     if machine in ("aarch64", "arm64"):
         return ["-mcpu=native"]
     return []
@@ -79,8 +64,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(), *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]    # what the source may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags,
+                                    " ".join(sorted(cpu_flags())), platform.machine()]).encode()).hexdigest()[:16]
     cache = cache_dir()
     lib = cache / f"{source.stem}-{key}.so"
     if lib.exists():

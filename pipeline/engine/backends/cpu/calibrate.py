@@ -36,8 +36,8 @@ says little about the rows just past a bucket (on the AMX box in fp32, 5 rows, a
 tokens, ran 1.3x faster on the panel kernel than on oneDNN, which 8 rows had chosen).
 
 The result is cached in the kernel cache folder (build.py), keyed by the CPU (model name and
-instruction-set flags), torch's version, the threads, the dtype, the model's linear shapes and the
-kernels on offer: the next start with the same key reads it in milliseconds. `describe` says what was
+instruction-set flags, isa.py), torch's version and the instructions its own kernels may use, the
+threads, the dtype, the model's linear shapes and the kernels on offer: the next start with the same key reads it in milliseconds. `describe` says what was
 chosen per bucket and which instructions each kernel runs on (oneDNN's own implementation name).
 
 This module knows nothing about the engine: it sees weights, kernels and a folder.
@@ -65,7 +65,8 @@ import torch.nn.functional as F
 
 from ...core.timing import interleaved
 from .attention import RowAttention
-from .build import cache_dir, cpu_flags
+from .build import cache_dir
+from .isa import cpu_flags
 from .linear import AMX, FAMILIES, KINDS, LAYOUT, ONEDNN, PANEL_KIND, LinearPlan, PanelKernel
 
 VERSION = 8                              # of the measurement: a change here re-measures every cached plan
@@ -153,8 +154,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    flags = set(cpu_flags().split(":", 1)[-1].split())
-    return {"cpu": cpu, "isa": sorted(flags & set(ISA_FLAGS)), "torch": torch.__version__,
+    return {"cpu": cpu, "isa": sorted(cpu_flags() & set(ISA_FLAGS)), "torch": torch.__version__,
+            "torch_isa": [torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")],
             "threads": torch.get_num_threads()}
 
 
