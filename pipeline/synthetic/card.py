@@ -1,9 +1,9 @@
 """A committed slot's dataset card and provenance.
 
     README.md         a Hugging Face dataset card: a YAML header with one config per stage (its
-                      data_files: the stage's kept/*.parquet; the last stage is the default), the
-                      default config's features and size category, then a short body: what made it
-                      and how to load it. `datasets.load_dataset("parquet", data_files=...)` with a
+                      data_files: the stage's kept/*.parquet; the last stage that kept rows is the
+                      default), every config's features and split size, the default's size
+                      category, then a short body: what made it and how to load it. `datasets.load_dataset("parquet", data_files=...)` with a
                       config's files reads that stage's kept rows.
     provenance.json   target and draft model sources with what identifies their weights
                       (loading/files.provenance), the code version (package, git commit where the code
@@ -44,16 +44,24 @@ def feature(f: pa.Field) -> dict:
     return {"name": f.name, "dtype": names.get(f.type, str(f.type))}
 
 
+def config_info(stage: dict) -> dict:
+    """One config's `dataset_info` entry, in the form `datasets` reads from a card: its features (the
+    stage's curated schema, whatever it kept) and its train split's size."""
+    return {"config_name": stage["name"], "features": [feature(f) for f in stage["schema"]],
+            "splits": [{"name": "train", "num_bytes": stage["bytes"], "num_examples": stage["kept"]}]}
+
+
 def card(slot: str, stages: list[dict], provenance: dict) -> str:
-    """README.md text. stages: {name, data (relative glob of its kept files), schema, kept} in order."""
-    last = stages[-1]
+    """README.md text. stages: {name, data (relative glob of its kept files), schema, kept, bytes} in
+    order. The default config is the last stage that kept rows (the last stage where none did):
+    `datasets` loads no config without rows, so an empty one is named in the body with its features
+    in the header."""
+    default = next((s for s in reversed(stages) if s["kept"]), stages[-1])
     header = {
         "configs": [{"config_name": s["name"], "data_files": [{"split": "train", "path": s["data"]}],
-                     **({"default": True} if s is last else {})} for s in stages],
-        "dataset_info": {"config_name": last["name"],
-                         "features": [feature(f) for f in last["schema"]],
-                         "splits": [{"name": "train", "num_examples": last["kept"]}]},
-        "size_categories": [size_category(last["kept"])],
+                     **({"default": True} if s is default else {})} for s in stages],
+        "dataset_info": [config_info(s) for s in stages],
+        "size_categories": [size_category(default["kept"])],
         "task_categories": ["text-generation"], "tags": ["synthetic", "specpipe"],
     }
     models = provenance["models"]
@@ -68,8 +76,12 @@ def card(slot: str, stages: list[dict], provenance: dict) -> str:
     for s in provenance["stages"]:
         lines.append(f"| {s['id'] or 'generation'} | {s['kind']} | {s['rows']} | {s['kept']} | "
                      f"{', '.join(f'{k} {v}' for k, v in s['flagged'].items() if v) or 'none'} |")
+    empty = [s["name"] for s in stages if not s["kept"]]
+    if empty:
+        lines += ["", f"Kept no rows, so `datasets` cannot load them (their features are in the header): "
+                      f"{', '.join(empty)}."]
     lines += ["", "```python", "from datasets import load_dataset",
-              f"rows = load_dataset(\"parquet\", data_files=\"{last['data']}\")[\"train\"]   # in this folder",
+              f"rows = load_dataset(\"parquet\", data_files=\"{default['data']}\")[\"train\"]   # in this folder",
               "```", ""]
     return "\n".join(lines)
 

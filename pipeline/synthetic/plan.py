@@ -165,6 +165,10 @@ class SlotFolder:
         """The Parquet files under `rel`, sorted."""
         return sorted(self.io(f"list {rel} in", lambda: self.fs.glob(self.p(f"{rel}/*.parquet"))))
 
+    def size(self, rel: str) -> int:
+        """Bytes of the Parquet files under `rel`."""
+        return sum(self.io(f"size {path} in", lambda: self.fs.size(path)) for path in self.tables(rel))
+
     def schema(self, path: str) -> pa.Schema:
         """A Parquet file's schema, from its footer."""
         def read():

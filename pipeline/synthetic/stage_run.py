@@ -86,7 +86,7 @@ class StageRunner:
                 folder.put("_SUCCESS", b"")
         if sp.stage.id in self.read_back:
             self.curated[sp.stage.id] = folder.rows("curated")
-        tables = folder.tables("kept")
+        tables = folder.tables("curated")                # kept/ holds some of these rows, same columns
         if tables:                                       # the card's features; a judge's input columns
             self.schemas[sp.stage.id] = folder.schema(tables[0])
         self.summaries.append(done)
@@ -140,14 +140,20 @@ class StageRunner:
         seeds = list(dict.fromkeys(r["seed_id"] for r in plan.rows))
         prov = provenance(plan.cfg, plan.slot, seeds, self.summaries, wall)
         folder.put("provenance.json", json.dumps(prov, indent=2, default=str).encode())
-        data = [{"name": sp.stage.id or "default", "data": posixpath.join(sp.rel, "kept/*.parquet"),
-                 "schema": self.schemas.get(sp.stage.id, pa.schema([])), "kept": s["kept"]}
-                for sp, s in zip(plan.stages, self.summaries)]
-        folder.put("README.md", card(plan.slot, data, prov).encode())
+        folder.put("README.md", card(plan.slot, card_stages(folder, plan.stages, self.summaries, self.schemas),
+                                     prov).encode())
         summary = slot_summary(plan, self.summaries, owner, wall)
         folder.put("summary.json", json.dumps(summary, indent=2).encode())
         folder.put("_SUCCESS", b"")
         return summary
+
+
+def card_stages(folder: SlotFolder, stages: list[StagePlan], summaries: list[dict],
+                schemas: dict[str, pa.Schema]) -> list[dict]:
+    """The card's view of each stage (card.card): its name, kept files, curated schema and counts."""
+    return [{"name": sp.stage.id or "default", "data": posixpath.join(sp.rel, "kept/*.parquet"),
+             "schema": schemas.get(sp.stage.id, pa.schema([])), "kept": s["kept"],
+             "bytes": folder.size(posixpath.join(sp.rel, "kept"))} for sp, s in zip(stages, summaries)]
 
 
 def empty_quality(stage) -> dict:

@@ -197,6 +197,56 @@ def test_near_duplicates_recall_and_precision_on_a_planted_set():
     assert not NearDuplicates(NearDuplicateConfig(num_perm=64)).load("2026-11-30T00", near.table())
 
 
+def test_a_stage_that_kept_nothing_keeps_its_features_and_the_card_loads(tmp_path, capfd):
+    """A slot whose judge rejected every answer: each config's features come from its curated schema
+    whatever it kept, `dataset_info` is in the form `datasets` reads without a warning, and the default
+    config is the last stage that kept rows, so `load_dataset(slot)` loads. `datasets` loads no config
+    without rows (its own "corresponds to no data"): the card names that config instead."""
+    import datasets
+    from types import SimpleNamespace
+    from pipeline.io.storage import StorageConfig
+    from pipeline.synthetic.card import card
+    from pipeline.synthetic.plan import SlotFolder
+    from pipeline.synthetic.quality import _write_tables, judge_fields
+    from pipeline.synthetic.stage_run import card_stages
+
+    slot, storage = tmp_path / f"slot={SLOT}", StorageConfig()
+    answers = pa.table({"id": ["a0", "a1", "a2"], "text": ["x", "y", "z"], "is_kept": [True, True, False]})
+    judge = section(stages_config()).stage_list()[2]
+    judged = pa.Table.from_pylist(
+        [{"id": i, "text": t, "judge_score_quality": 1.0, "judge_reason_quality": "no",
+          "is_rejected_quality": True, "is_kept": False} for i, t in (("a0", "x"), ("a1", "y"))],
+        schema=pa.schema([answers.schema.field("id"), answers.schema.field("text"), *judge_fields(judge),
+                          answers.schema.field("is_kept")]))
+    stages, schemas = [], {}
+    for stage_id, table in (("answer", answers), ("quality", judged)):
+        _write_tables(SlotFolder(str(slot / f"stage={stage_id}"), storage), "u0", table, "zstd")
+        stages.append(SimpleNamespace(stage=SimpleNamespace(id=stage_id), rel=f"stage={stage_id}"))
+        schemas[stage_id] = pq.read_schema(slot / f"stage={stage_id}" / "curated" / "u0.parquet")
+    assert not (slot / "stage=quality" / "kept").exists()
+    summaries = [{"kept": 2}, {"kept": 0}]
+    prov = {"models": {"target": {"source": "m"}}, "code": {"version": "0"}, "config_hash": "h",
+            "stages": [{"id": s, "kind": "k", "rows": 2, "kept": k["kept"], "flagged": {}}
+                       for s, k in zip(("answer", "quality"), summaries)]}
+    text = card(SLOT, card_stages(SlotFolder(str(slot), storage), stages, summaries, schemas), prov)
+    (slot / "README.md").write_text(text)
+    header = yaml.safe_load(text.split("---")[1])
+    info = {c["config_name"]: c for c in header["dataset_info"]}
+    assert [f["name"] for f in info["quality"]["features"]] == judged.column_names
+    assert info["quality"]["splits"] == [{"name": "train", "num_bytes": 0, "num_examples": 0}]
+    assert info["answer"]["splits"][0]["num_examples"] == 2 and info["answer"]["splits"][0]["num_bytes"] > 0
+    assert [c["config_name"] for c in header["configs"] if c.get("default")] == ["answer"]
+    assert "Kept no rows, so `datasets` cannot load them (their features are in the header): quality." in text
+    capfd.readouterr()
+    for name in (None, "answer"):
+        rows = datasets.load_dataset(str(slot), name)["train"]
+        assert sorted(rows["id"]) == ["a0", "a1"] and rows.column_names == answers.column_names
+    with pytest.raises(ValueError, match="corresponds to no data"):
+        datasets.load_dataset(str(slot), "quality")
+    said = capfd.readouterr()
+    assert "malformed" not in said.out + said.err
+
+
 # ---- on Ray: three stages, killed after the first, resumed ---------------------------------------
 def write_config(tmp_path: Path, model_dir, ray_head) -> Path:
     seeds = [{"seed_id": f"s{i}", "kind": "q", "text": t} for i, t in enumerate(

@@ -292,8 +292,8 @@ def test_slot_end_to_end(local_slot):
     files = header["configs"][0]["data_files"][0]["path"]
     kept = datasets.load_dataset("parquet", data_files=str(slot_dir / files))["train"]
     assert sorted(kept["id"]) == sorted(i for i, r in curated.items() if r["is_kept"]) and len(kept) == q["kept"]
-    assert header["size_categories"] == ["n<1K"] and {"name": "text", "dtype": "string"} in header["dataset_info"]["features"]
-    features = datasets.Features._from_yaml_list(header["dataset_info"]["features"])   # as the hub reads a card
+    assert header["size_categories"] == ["n<1K"] and {"name": "text", "dtype": "string"} in header["dataset_info"][0]["features"]
+    features = datasets.Features._from_yaml_list(header["dataset_info"][0]["features"])   # as the hub reads a card
     assert features["token_ids"] == datasets.Sequence(datasets.Value("int32")) and set(features) == set(kept.column_names)
     prov = json.loads((slot_dir / "provenance.json").read_text())
     assert prov["config_hash"] == config_hash(load_synthetic_config(str(config))) and prov["config"]["synthetic"]["seeds"].endswith("seeds.parquet")
