@@ -63,6 +63,9 @@ class Processor:
                 "the dataset would wait forever; give the replicas fewer CPUs (num_cpus) or the cluster more")
         remote = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
         if ranks > 1:       # each replica's ranks in a placement group of its own (rank 0: the stage, bundle 0)
+            # Ray 2.60 deprecates ray_remote_args_fn and Ray 2.64 removes it; Ray names no replacement for a
+            # placement group per actor (Ray Data LLM's own vLLM stage passes the same argument), so the
+            # project requires ray < 2.64 (pyproject.toml) until Ray names one.
             remote["ray_remote_args_fn"] = functools.partial(replica_placement, ranks, cfg.num_cpus, cfg.num_gpus)
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type
