@@ -19,8 +19,10 @@ import pytest
 from conftest import RayHead
 from faults import RayNode, S3FaultProxy, _cmdline, fill_until_full, small_disk, wait_for_nodes
 from pipeline.cluster.driver import JobFailed, run_job
+from pipeline.engine.backends.cpu.build import cache_dir as kernel_cache_dir
 from pipeline.io.reader import InputError
 from pipeline.io.writer import OutputError
+from pipeline.loading.files import cache_root
 from pipeline_util import job_config, job_overrides, prompt_rows, read_run, write_parquet
 from pipeline_util import check_exactly_once, shards
 from s3_util import moto_endpoint, s3  # noqa: F401 -- fixtures
@@ -308,7 +310,8 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
-    env.update(HOME=str(home), RAY_AUTH_MODE="token")
+    env.update(HOME=str(home), RAY_AUTH_MODE="token",    # the suite's kernel and model caches, as a used HOME has
+               SPECPIPE_KERNEL_CACHE=str(kernel_cache_dir()), SPECPIPE_CACHE=str(cache_root()))
     overrides = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), "input.rows_per_unit=2",
                               "sampling.max_tokens=24", "cluster.num_workers=1", "cluster.shutdown_grace_s=5")
     job = Job(tmp_path, overrides, env=env)
