@@ -39,10 +39,6 @@ class TensorParallel:
     def size(self) -> int:
         return self.group.size
 
-    @property
-    def rank(self) -> int:
-        return self.group.rank
-
 
 class Peers:
     """Rank 0's link to the other ranks: `step(op, **args)` sends a step and holds the group while
@@ -52,7 +48,7 @@ class Peers:
         self.group, self.beat_s = group, beat_s
         self._lock = threading.RLock()
         self._last = time.monotonic()
-        self.error: RankLost | None = None
+        self._error: RankLost | None = None     # the first rank loss seen: every later step raises it
         self._closed = threading.Event()
         threading.Thread(target=self._beat, name="tp-beat", daemon=True).start()
 
@@ -60,13 +56,13 @@ class Peers:
     def step(self, op: str, **args):
         """Send `op` with `args` to every rank, then run the caller's own part (the with-block)."""
         with self._lock:
-            if self.error is not None:
-                raise self.error
+            if self._error is not None:
+                raise self._error
             try:
                 self.group.broadcast_message({"op": op, **args})
                 yield
             except RankLost as e:
-                self.error = e
+                self._error = e
                 raise
             finally:
                 self._last = time.monotonic()
@@ -85,10 +81,10 @@ class Peers:
             if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(timeout=1.0):
                 continue
             try:
-                if self.error is None and not self._closed.is_set():
+                if self._error is None and not self._closed.is_set():
                     self.group.broadcast_message({"op": "beat"})
             except RankLost as e:
-                self.error = e
+                self._error = e
             finally:
                 self._last = time.monotonic()
                 self._lock.release()
@@ -99,7 +95,7 @@ class Peers:
             return
         with self._lock:
             self._closed.set()
-            if self.error is None:
+            if self._error is None:
                 with contextlib.suppress(RankLost):
                     self.group.broadcast_message({"op": "stop"})
 
