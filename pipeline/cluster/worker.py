@@ -155,9 +155,6 @@ class GenerationWorker:
     def _ranks(self) -> list[dict]:
         """Each rank of this worker's replica: device, collective backend, weight bytes held (one entry
         at tensor_parallel_size 1)."""
-        tp, m = self._tp, self.cfg.models
-        if tp is None:
-            return [{"rank": 0, "device": m.device, "backend": None,
-                     "weight_bytes": self.loaded.engine.target.weight_bytes}]
-        return [{"rank": r, "device": m.device, "backend": tp.group.backend, "weight_bytes": b}
-                for r, b in sorted(tp.weight_bytes.items())]
+        backend = self._tp.group.backend if self._tp is not None else None
+        return [{"rank": r, "device": self.cfg.models.device, "backend": backend, "weight_bytes": b}
+                for r, b in sorted(self.loaded.engine.target.rank_weight_bytes.items())]

@@ -209,7 +209,8 @@ class SpecpipeStage:
     def _ranks_line(self) -> str:
         if self.tp is None:
             return ""
-        held = ", ".join(f"rank {r} holds {b / 2**20:.1f} MiB" for r, b in sorted(self.tp.weight_bytes.items()))
+        held = ", ".join(f"rank {r} holds {b / 2**20:.1f} MiB"
+                         for r, b in sorted(self.loaded.engine.target.rank_weight_bytes.items()))
         return (f"; {self.tp.size} ranks on {self.config.models.device} over {self.tp.group.backend} "
                 f"(weights: {held})")
 

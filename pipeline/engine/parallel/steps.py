@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .group import RankGroup, RankLost
@@ -33,7 +33,6 @@ class TensorParallel:
     group: RankGroup
     timeout_s: float = 300.0
     peers: "Peers | None" = None
-    weight_bytes: dict = field(default_factory=dict)    # rank -> bytes of weights it holds (rank 0 learns all)
 
     @property
     def size(self) -> int:
@@ -109,12 +108,12 @@ def _weight_bytes(group: RankGroup, own: int) -> dict[int, int]:
     return {r: int(b) for r, b in enumerate(held.tolist())}
 
 
-def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes: Callable[[], int],
+def serve(group: RankGroup, build: Callable[[dict, dict], object],
           after_step: Callable[[int], None] = lambda steps: None) -> int:
     """A rank's loop (ranks 1..N-1): each message from rank 0 run on this rank's runner. `build(config,
-    kernels)` makes the runner; `weight_bytes()` what this rank's weights hold; `after_step(steps)` is
-    called after each step run. Returns the steps run when told to stop; raises RankLost when rank 0
-    is gone."""
+    kernels)` makes the runner, whose `weight_bytes` (what this rank's weights hold) rank 0 gathers;
+    `after_step(steps)` is called after each step run. Returns the steps run when told to stop; raises
+    RankLost when rank 0 is gone."""
     runner, steps = None, 0
     while True:
         message = group.broadcast_message()
@@ -125,7 +124,7 @@ def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes:
             continue
         if op == "runner":
             runner = build(message["config"], message["kernels"])
-            _weight_bytes(group, weight_bytes())
+            _weight_bytes(group, runner.weight_bytes)
             group.set_timeout(message["timeout_s"])
             continue
         if op not in OPS or runner is None:
