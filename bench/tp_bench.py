@@ -106,7 +106,7 @@ def measure(args, source: str, dtype: str, size: int, batch: int, prompts: list[
         done.update({c.request_id: c.output_ids for c in out.finished})
     wall = time.perf_counter() - t0
     tokens = sum(len(o) for o in done.values())
-    held = tp.weight_bytes if tp is not None else {0: engine.target.weight_bytes}
+    held = engine.target.rank_weight_bytes
     share = {k: v / step_s for k, v in (tp.group.seconds.items() if tp is not None else ())}
     if tp is not None:
         tp.peers.stop()

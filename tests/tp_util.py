@@ -18,7 +18,7 @@ from pipeline.engine.parallel.shard import Split, shard_model
 from pipeline.engine.parallel.steps import TensorParallel, serve
 from pipeline.job.replica import open_replica
 from pipeline.loading.models import ModelSpec, resolve_hf_dir
-from pipeline.loading.shards import load_model_shard, weight_bytes
+from pipeline.loading.shards import load_model_shard
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -43,7 +43,7 @@ def _rank_main(model_dir: str, address: str, rank: int, size: int, dump: str | N
     def build(config, kernels):
         runners.append(ModelRunner(model, EngineConfig(**config), Kernels(**kernels), tp=tp))
         return runners[-1]
-    serve(group, build, lambda: weight_bytes(model))
+    serve(group, build)
     if dump:
         from safetensors.torch import save_file
         cache = runners[-1].cache

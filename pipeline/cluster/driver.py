@@ -34,6 +34,7 @@ from ..job.config import (
     hashed_tree,
     redacted,
 )
+from .faults import FaultPlan
 from .pool import LoadFailed, WorkerPool
 
 # Driver wake-ups cost the workers' time on small machines (a woken process preempts a spinning
@@ -207,6 +208,7 @@ class _Dispatch:
 def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: StopRequest, run_stats: dict,
               committed: int) -> None:
     pool, d = WorkerPool(cfg), _Dispatch(cfg, todo, out, run_stats, committed)
+    faults = FaultPlan.for_driver(cfg.debug)
     pool.start()
     t0 = time.perf_counter()
     t_spawn = pool.clock()
@@ -222,7 +224,7 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: Sto
                 grace_until = grace_until or time.monotonic() + cfg.cluster.shutdown_grace_s
                 if stop.forced or not pool.in_flight() or time.monotonic() > grace_until:
                     raise Interrupted(stop.signum, d.committed_units, d.total_units)
-            elif not (cfg.debug.hold_dispatch_file and os.path.exists(cfg.debug.hold_dispatch_file)):
+            elif not faults.holds_dispatch():
                 _hand_out(d.queue, pool)
             if not pool.live:
                 raise JobFailed(f"no worker left ({pool.restarts} restarts used; {pool.gone_causes()}); "

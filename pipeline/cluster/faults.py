@@ -1,12 +1,14 @@
-"""Failure drills injected into a generation worker: a fault plan built from the job's `debug.*`
-keys and the worker's place (index, incarnation).
+"""Failure drills injected into a generation worker, a tensor-parallel rank or the driver: a fault
+plan built from the job's `debug.*` keys and the place it runs (a worker's index and incarnation, a
+rank, the driver).
 
-The worker calls the plan's hooks at fixed points (`on_start`, `on_load`, `after_step`, `before_commit`); at the
-debug defaults every hook does nothing. Only the first incarnation of worker 0 hangs or crashes on a
-step count or at load, so its replacement finishes the job; `crash_before_commit` hits every worker.
+The worker calls the plan's hooks at fixed points (`on_start`, `on_load`, `after_step`, `before_commit`),
+a rank `after_rank_step`, the driver `holds_dispatch` before it hands out units; at the debug defaults
+every hook does nothing. Only the first incarnation of worker 0 hangs or crashes on a step count or
+at load, so its replacement finishes the job; `crash_before_commit` hits every worker.
 
-Knows DebugConfig and how to die or hang like a broken process; knows nothing about engines, units or
-the output layout.
+Knows DebugConfig and how to die, hang or wait like a broken or held process; knows nothing about
+engines, units or the output layout.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class FaultPlan:
     hang_after_steps: int = 0               # the engine loop stops after this many steps (0: never)
     crash_before_commit: bool = False       # exit after writing a unit's data, before its marker
     crash_rank_after_steps: int = 0         # a tensor-parallel rank: exit after this many steps (0: never)
+    hold_dispatch_file: str = ""            # the driver: no unit handed out while this file exists
 
     @classmethod
     def from_config(cls, debug: DebugConfig, index: int, incarnation: int) -> FaultPlan:
@@ -44,6 +47,15 @@ class FaultPlan:
         may die after a step count."""
         last_of_first_w0 = index == 0 and incarnation == 0 and rank == size - 1
         return cls(crash_rank_after_steps=debug.crash_rank_after_steps if last_of_first_w0 else 0)
+
+    @classmethod
+    def for_driver(cls, debug: DebugConfig) -> FaultPlan:
+        """The driver's plan: its dispatch may be held by a file."""
+        return cls(hold_dispatch_file=debug.hold_dispatch_file)
+
+    def holds_dispatch(self) -> bool:
+        """Asked by the driver before it hands out units: True while the hold file exists."""
+        return bool(self.hold_dispatch_file) and os.path.exists(self.hold_dispatch_file)
 
     def after_rank_step(self, steps: int) -> None:
         """Called by a tensor-parallel rank after each step it ran."""

@@ -19,8 +19,9 @@ a worker can fail ends in a verdict, never a wait:
     no engine step or commit for stall_timeout_s while holding units: killed, as if it died
 
 With models.tensor_parallel_size N a worker is a replica: rank 0 (the GenerationWorker, which runs
-the round) and ranks 1..N-1 (RankWorker), one bundle each in one STRICT_PACK group. The other ranks'
-`serve` calls stay pending while the replica lives, so a rank's death resolves one of them.
+the round) and ranks 1..N-1 (RankWorker), one bundle each in one STRICT_PACK group, placed, started and
+joined by rank.py's ReplicaRanks (as the processor's replicas are). The other ranks' `serve` calls stay
+pending while the replica lives, so a rank's death resolves one of them.
 
 Knows Ray and units; knows nothing about the output layout, models or progress bars.
 """
@@ -31,14 +32,13 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
 from ..job.config import JobConfig
 from .faults import FaultPlan
-from .rank import RankWorker
+from .rank import ReplicaRanks
 from .worker import GenerationWorker, WorkerBroken
 
 STARTING, READY, GONE = "starting", "ready", "gone"
@@ -110,23 +110,17 @@ class WorkerPool:
             self._spawn(i, 0)
 
     def _spawn(self, index: int, incarnation: int) -> Worker:
-        c = self.cfg.cluster
         name = f"w{index}" + (f".{incarnation}" if incarnation else "")
-        size = self.cfg.models.tensor_parallel_size
-        bundle = {"CPU": c.num_cpus_per_worker, **({"GPU": c.num_gpus_per_worker} if c.num_gpus_per_worker else {})}
-        group = placement_group([bundle] * size, strategy="STRICT_PACK")
-        options = lambda rank: dict(num_cpus=c.num_cpus_per_worker, num_gpus=c.num_gpus_per_worker, max_restarts=0,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                        group, placement_group_bundle_index=rank))
-        actor = ray.remote(GenerationWorker).options(max_concurrency=self.max_units + 3, **options(0)).remote(
+        replica = ReplicaRanks.for_job(self.cfg)
+        group = replica.placement_group()
+        actor = ray.remote(GenerationWorker).options(max_concurrency=self.max_units + 3,
+                                                     **replica.actor_options(group, 0)).remote(
             self.cfg, name, index, incarnation)
-        threads = max(1, int(c.num_cpus_per_worker))
-        ranks = [ray.remote(RankWorker).options(**options(r)).remote(
-            self.cfg.models, self.cfg.storage, threads, c.load_timeout_s, r,
-            FaultPlan.for_rank(self.cfg.debug, index, incarnation, r, size)) for r in range(1, size)]
-        address = actor.rendezvous.remote() if size > 1 else None
+        address = actor.rendezvous.remote() if replica.size > 1 else None
+        ranks, rank_refs = replica.start(group, address, lambda rank: FaultPlan.for_rank(
+            self.cfg.debug, index, incarnation, rank, replica.size))
         w = Worker(name, index, incarnation, actor, group, group.ready(), actor.ping.remote(), actor.load.remote(address),
-                   self.clock(), ranks=ranks, rank_refs={a.serve.remote(address): r for r, a in enumerate(ranks, 1)})
+                   self.clock(), ranks=ranks, rank_refs=rank_refs)
         self.workers.append(w)
         return w
 

@@ -28,6 +28,7 @@ from .engine_loop import EngineLoop, WorkerBroken
 from .faults import FaultPlan
 from .feeding import RowFeeder
 from .metrics import WorkerMetrics
+from .rank import Rendezvous, ReplicaRanks
 from .records import Recorder
 
 __all__ = ["GenerationWorker", "WorkerBroken"]
@@ -45,19 +46,14 @@ class GenerationWorker:
                        "step_s": 0.0}
         self._metrics = WorkerMetrics(name, cfg.run.run_id, enabled=False)    # a no-op until load()
         self._loop: EngineLoop | None = None
-        self._rendezvous: tuple | None = None    # tensor parallel: (address, store) the ranks join
+        self._rendezvous: Rendezvous | None = None    # tensor parallel: where the replica's ranks join
         self._tp = None
 
     def rendezvous(self) -> str:
         """Tensor parallel: the address (this node, a free port) whose store this actor now serves, for
         the replica's other ranks to join."""
-        import ray
-
-        from ..engine.parallel.group import free_address, open_rendezvous
-        address = free_address(ray.util.get_node_ip_address())
-        size, timeout = self.cfg.models.tensor_parallel_size, self.cfg.cluster.load_timeout_s
-        self._rendezvous = (address, open_rendezvous(address, size, timeout))
-        return address
+        self._rendezvous = ReplicaRanks.for_job(self.cfg).rendezvous()
+        return self._rendezvous.address
 
     # ---- actor methods --------------------------------------------------------------------------
     def ping(self) -> str:
@@ -119,13 +115,9 @@ class GenerationWorker:
         """Tensor parallel: rank 0's place in this worker's replica, once every rank has joined; None at 1."""
         if self.cfg.models.tensor_parallel_size == 1:
             return None
-        from ..job.replica import open_replica
         if self._rendezvous is None:
             raise RuntimeError("tensor parallel: load() before rendezvous()")
-        c = self.cfg.cluster
-        address, store = self._rendezvous
-        self._tp = open_replica(address, self.cfg.models.tensor_parallel_size, self.cfg.models.device,
-                                c.load_timeout_s, c.collective_timeout_s, store=store)
+        self._tp = ReplicaRanks.for_job(self.cfg).join(self._rendezvous)
         return self._tp
 
     def _engine_loop(self) -> EngineLoop:
@@ -155,9 +147,6 @@ class GenerationWorker:
     def _ranks(self) -> list[dict]:
         """Each rank of this worker's replica: device, collective backend, weight bytes held (one entry
         at tensor_parallel_size 1)."""
-        tp, m = self._tp, self.cfg.models
-        if tp is None:
-            return [{"rank": 0, "device": m.device, "backend": None,
-                     "weight_bytes": self.loaded.engine.target.weight_bytes}]
-        return [{"rank": r, "device": m.device, "backend": tp.group.backend, "weight_bytes": b}
-                for r, b in sorted(tp.weight_bytes.items())]
+        backend = self._tp.group.backend if self._tp is not None else None
+        return [{"rank": r, "device": self.cfg.models.device, "backend": backend, "weight_bytes": b}
+                for r, b in sorted(self.loaded.engine.target.rank_weight_bytes.items())]

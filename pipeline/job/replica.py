@@ -16,7 +16,7 @@ from ..engine.model.runner import ModelRunner
 from ..engine.parallel.group import RankGroup, open_rendezvous
 from ..engine.parallel.steps import Peers, TensorParallel, serve
 from ..loading.models import ModelSpec
-from ..loading.shards import load_model_shard, weight_bytes
+from ..loading.shards import load_model_shard
 
 
 def open_replica(address: str, size: int, device: str, startup_timeout_s: float, timeout_s: float,
@@ -35,10 +35,10 @@ def serve_rank(spec: ModelSpec, address: str, rank: int, size: int, startup_time
     until rank 0 says stop (returns the steps run) or is gone (RankLost)."""
     model, _, _ = load_model_shard(spec, size, rank, tokenizer=False)
     group = RankGroup.join(address, rank, size, spec.device, startup_timeout_s)
-    tp, held = TensorParallel(group), weight_bytes(model)       # as loaded, before kernels repack them
+    tp = TensorParallel(group)
     try:
         return serve(group, lambda config, kernels: ModelRunner(model, EngineConfig(**config), Kernels(**kernels),
                                                                 tp=tp),
-                     lambda: held, after_step)
+                     after_step)
     finally:
         group.close()

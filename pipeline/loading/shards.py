@@ -21,11 +21,6 @@ from ..engine.parallel.shard import Split, localize_model, set_parameter
 from .models import DTYPES, ModelSpec, resolve_hf_dir
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's parameters hold (each tensor once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def load_model_shard(spec: ModelSpec, size: int, rank: int, tokenizer: bool = True):
     """(model, tokenizer, split): rank `rank` of `size`'s part of the model, in spec.dtype on spec.device,
     in eval mode (tokenizer False: None in its place, as the ranks that only run forwards need).

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 from ..errors import ConfigError
 from .config import SpecpipeProcessorConfig
 from .rows import OUTPUT
-from .stage import SpecpipeStage, config_digest
+from .stage import SpecpipeStage, config_digest, replica_ranks
 
 __all__ = ["OUTPUT", "Processor", "SpecpipeProcessorConfig", "actor_cpus", "build_processor"]
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Processor:
             # Ray 2.60 deprecates ray_remote_args_fn and Ray 2.64 removes it; Ray names no replacement for a
             # placement group per actor (Ray Data LLM's own vLLM stage passes the same argument), so the
             # project requires ray < 2.64 (pyproject.toml) until Ray names one.
-            remote["ray_remote_args_fn"] = functools.partial(replica_placement, ranks, cfg.num_cpus, cfg.num_gpus)
+            remote["ray_remote_args_fn"] = functools.partial(replica_placement, cfg)
         if cfg.accelerator_type is not None:
             remote["accelerator_type"] = cfg.accelerator_type
         # max_concurrent_calls_per_actor: the replica's calls running at once (each awaits its rows on the
@@ -109,14 +109,11 @@ def checkpoint_filter_cpus() -> int:
     return 0 if checkpoint is None else getattr(checkpoint, "checkpoint_actor_pool_min_size", 1)
 
 
-def replica_placement(ranks: int, num_cpus: float, num_gpus: float) -> dict:
-    """A new replica's Ray options: a STRICT_PACK placement group of one bundle per rank, the stage in
-    bundle 0 (its ranks take the others: stage.py)."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    group = placement_group([bundle] * ranks, strategy="STRICT_PACK")
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
+def replica_placement(config: SpecpipeProcessorConfig) -> dict:
+    """A new replica's Ray options: its ranks' STRICT_PACK placement group (one bundle per rank), the
+    stage in bundle 0 (its ranks take the others: stage.py)."""
+    replica = replica_ranks(config)
+    return {"scheduling_strategy": replica.in_bundle(replica.placement_group(), 0)}
 
 
 def _prepare_rounds_log(config: SpecpipeProcessorConfig) -> None:

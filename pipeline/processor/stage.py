@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 
+from ..cluster.rank import ReplicaRanks
 from ..cluster.records import completion_row, round_row
 from ..engine.core.request import RequestError
 from ..io.schema import to_table
@@ -179,19 +180,15 @@ class SpecpipeStage:
         build_processor reserves it), rank 0's place once all have joined. A rank that dies ends this
         replica's process, which Ray Data restarts, as it does a replica lost any other way."""
         import ray
-
-        from ..cluster.rank import start_ranks
-        from ..job.replica import open_replica
         group = ray.util.get_current_placement_group()
         if group is None:
             raise RuntimeError("models.tensor_parallel_size > 1: the replica must run in its placement group "
                                "(build_processor reserves one per replica)")
-        c, timeout = self.config, self.config.collective_timeout_s
-        address, store, self._rank_refs, self._rank_actors = start_ranks(
-            c.models, c.storage, c.num_cpus, c.num_gpus, c.startup_timeout_s, group, ray.util.get_node_ip_address())
+        replica = replica_ranks(self.config)
+        rendezvous = replica.rendezvous()
+        self._rank_actors, self._rank_refs = replica.start(group, rendezvous.address)
         threading.Thread(target=self._watch_ranks, name="specpipe-ranks", daemon=True).start()
-        return open_replica(address, c.models.tensor_parallel_size, c.models.device, c.startup_timeout_s, timeout,
-                            store=store)
+        return replica.join(rendezvous)
 
     def _watch_ranks(self) -> None:
         """A rank's serve() ending while this replica lives means the rank is gone: this process ends
@@ -209,7 +206,8 @@ class SpecpipeStage:
     def _ranks_line(self) -> str:
         if self.tp is None:
             return ""
-        held = ", ".join(f"rank {r} holds {b / 2**20:.1f} MiB" for r, b in sorted(self.tp.weight_bytes.items()))
+        held = ", ".join(f"rank {r} holds {b / 2**20:.1f} MiB"
+                         for r, b in sorted(self.loaded.engine.target.rank_weight_bytes.items()))
         return (f"; {self.tp.size} ranks on {self.config.models.device} over {self.tp.group.backend} "
                 f"(weights: {held})")
 
@@ -285,6 +283,12 @@ def _show_progress() -> None:
         pkg.addHandler(handler)
         pkg.setLevel(logging.INFO)
         pkg.propagate = False
+
+
+def replica_ranks(config: SpecpipeProcessorConfig) -> ReplicaRanks:
+    """How a replica's ranks are placed, started and joined (cluster/rank.py, as in the job)."""
+    return ReplicaRanks(config.models, config.storage, config.num_cpus, config.num_gpus, config.startup_timeout_s,
+                        config.collective_timeout_s)
 
 
 def config_digest(config: SpecpipeProcessorConfig) -> str:

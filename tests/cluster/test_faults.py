@@ -1,5 +1,6 @@
-"""The fault plan without Ray: which worker a drill hits, and that every hook does nothing at the
-debug defaults. (The drills themselves, in real Ray processes: test_drills.py, test_pipeline.py.)"""
+"""The fault plan without Ray: which worker a drill hits, that every hook does nothing at the debug
+defaults, and the driver's hold on dispatch. (The drills themselves, in real Ray processes:
+test_drills.py, test_pipeline.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -64,3 +65,14 @@ def test_a_step_drill_fires_at_its_step(fatal):
     assert fatal == []
     with pytest.raises(Exited):
         plan.after_step(7)
+
+
+def test_the_driver_holds_dispatch_while_the_hold_file_exists(tmp_path):
+    assert not FaultPlan.for_driver(DebugConfig()).holds_dispatch()
+    hold = tmp_path / "hold"
+    plan = FaultPlan.for_driver(DebugConfig(hold_dispatch_file=str(hold)))
+    assert not plan.holds_dispatch()
+    hold.touch()
+    assert plan.holds_dispatch()
+    hold.unlink()
+    assert not plan.holds_dispatch()

@@ -20,11 +20,12 @@ from transformers import LlamaConfig, Qwen2Config
 from conftest import (DRAFTERS, greedy_references_fixture, make_engine, mixed_prompts_fixture, near_tie_mismatches,
                       noisy_copy, run_requests, tiers, tiny_llama)
 from pipeline.engine import SamplingParams, TreeParams
+from pipeline.engine.model.runner import weight_bytes
 from pipeline.engine.parallel.shard import Split, shard_model
 from pipeline.errors import ConfigError
 from pipeline.job.config import ModelsConfig
 from pipeline.loading.models import ModelSpec
-from pipeline.loading.shards import load_model_shard, weight_bytes
+from pipeline.loading.shards import load_model_shard
 from tp_util import Replica, save_model
 
 NUM_PROMPTS, MAX_NEW = 24, 16

@@ -50,6 +50,11 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def weight_bytes(model) -> int:
+    """Bytes the model's parameters hold (each tensor once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class ModelRunner:
     """One model over its slot store. `config.max_num_seqs` slots (auto: model/slots.py resolves it for
     this model's KV and that of the models `beside` it, which keep as many slots) of
@@ -68,8 +73,10 @@ class ModelRunner:
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
         self.tp = tp if tp is not None and tp.size > 1 else None
-        # the model's weights as loaded (our kernels may hold them in other layouts from here on)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # the model's weights as loaded, counted once, here (our kernels may hold them in other layouts from
+        # here on); rank -> bytes: this rank's, and on rank 0 of a replica every rank's (gathered below)
+        self.weight_bytes = weight_bytes(model)
+        self.rank_weight_bytes = {self.tp.group.rank if self.tp is not None else 0: self.weight_bytes}
         if self.tp is not None:
             if kernels.linear_plan is not None:
                 raise ValueError("a forced linear_plan is not sent to a tensor-parallel replica's ranks")
@@ -132,8 +139,8 @@ class ModelRunner:
         if self.tp is not None and self.tp.peers is not None:     # rank 0: the other ranks build theirs
             kernel_fields = {**{k: v for k, v in asdict(kernels).items() if k != "linear_plan"},
                              "cpu_decoder": "off" if self.decoder is None else "on"}
-            self.tp.weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s,
-                                                         self.weight_bytes)
+            self.rank_weight_bytes = self.tp.peers.runner(asdict(config), kernel_fields, self.tp.timeout_s,
+                                                          self.weight_bytes)
 
     def sized(self, config: EngineConfig) -> EngineConfig:
         """`config` with engine.max_num_seqs as this runner resolved it (auto: the slots it kept): the one

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .group import RankGroup, RankLost
@@ -33,15 +33,10 @@ class TensorParallel:
     group: RankGroup
     timeout_s: float = 300.0
     peers: "Peers | None" = None
-    weight_bytes: dict = field(default_factory=dict)    # rank -> bytes of weights it holds (rank 0 learns all)
 
     @property
     def size(self) -> int:
         return self.group.size
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
 
 
 class Peers:
@@ -52,7 +47,7 @@ class Peers:
         self.group, self.beat_s = group, beat_s
         self._lock = threading.RLock()
         self._last = time.monotonic()
-        self.error: RankLost | None = None
+        self._error: RankLost | None = None     # the first rank loss seen: every later step raises it
         self._closed = threading.Event()
         threading.Thread(target=self._beat, name="tp-beat", daemon=True).start()
 
@@ -60,13 +55,13 @@ class Peers:
     def step(self, op: str, **args):
         """Send `op` with `args` to every rank, then run the caller's own part (the with-block)."""
         with self._lock:
-            if self.error is not None:
-                raise self.error
+            if self._error is not None:
+                raise self._error
             try:
                 self.group.broadcast_message({"op": op, **args})
                 yield
             except RankLost as e:
-                self.error = e
+                self._error = e
                 raise
             finally:
                 self._last = time.monotonic()
@@ -85,10 +80,10 @@ class Peers:
             if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(timeout=1.0):
                 continue
             try:
-                if self.error is None and not self._closed.is_set():
+                if self._error is None and not self._closed.is_set():
                     self.group.broadcast_message({"op": "beat"})
             except RankLost as e:
-                self.error = e
+                self._error = e
             finally:
                 self._last = time.monotonic()
                 self._lock.release()
@@ -99,7 +94,7 @@ class Peers:
             return
         with self._lock:
             self._closed.set()
-            if self.error is None:
+            if self._error is None:
                 with contextlib.suppress(RankLost):
                     self.group.broadcast_message({"op": "stop"})
 
@@ -113,12 +108,12 @@ def _weight_bytes(group: RankGroup, own: int) -> dict[int, int]:
     return {r: int(b) for r, b in enumerate(held.tolist())}
 
 
-def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes: Callable[[], int],
+def serve(group: RankGroup, build: Callable[[dict, dict], object],
           after_step: Callable[[int], None] = lambda steps: None) -> int:
     """A rank's loop (ranks 1..N-1): each message from rank 0 run on this rank's runner. `build(config,
-    kernels)` makes the runner; `weight_bytes()` what this rank's weights hold; `after_step(steps)` is
-    called after each step run. Returns the steps run when told to stop; raises RankLost when rank 0
-    is gone."""
+    kernels)` makes the runner, whose `weight_bytes` (what this rank's weights hold) rank 0 gathers;
+    `after_step(steps)` is called after each step run. Returns the steps run when told to stop; raises
+    RankLost when rank 0 is gone."""
     runner, steps = None, 0
     while True:
         message = group.broadcast_message()
@@ -129,7 +124,7 @@ def serve(group: RankGroup, build: Callable[[dict, dict], object], weight_bytes:
             continue
         if op == "runner":
             runner = build(message["config"], message["kernels"])
-            _weight_bytes(group, weight_bytes())
+            _weight_bytes(group, runner.weight_bytes)
             group.set_timeout(message["timeout_s"])
             continue
         if op not in OPS or runner is None:
