@@ -3,16 +3,18 @@ plan built from the job's `debug.*` keys and the place it runs (a worker's index
 rank, the driver).
 
 The worker calls the plan's hooks at fixed points (`on_start`, `on_load`, `after_step`, `before_commit`),
-a rank `after_rank_step`, the driver `holds_dispatch` before it hands out units; at the debug defaults
-every hook does nothing. Only the first incarnation of worker 0 hangs or crashes on a step count or
+a rank `on_rank_load`, `on_rank_build` and `after_rank_step`, the driver `holds_dispatch` before it hands
+out units; at the debug defaults every hook does nothing. A rank told to stop sends itself SIGSTOP: its
+process frozen with its sockets open, as a hung process or a partitioned node leaves them. Only the first incarnation of worker 0 hangs or crashes on a step count or
 at load, so its replacement finishes the job; `crash_before_commit` hits every worker.
 
-Knows DebugConfig and how to die, hang or wait like a broken or held process; knows nothing about
+Knows DebugConfig and how to die, hang, stop or wait like a broken or held process; knows nothing about
 engines, units or the output layout.
 """
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from ..job.config import DebugConfig
 
 EXIT_CODE = 17                              # a drill's exit status (any non-zero one would do)
+STOP_AFTER_STEPS = 3                        # stop_rank_in "step": after this many steps
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class FaultPlan:
     hang_after_steps: int = 0               # the engine loop stops after this many steps (0: never)
     crash_before_commit: bool = False       # exit after writing a unit's data, before its marker
     crash_rank_after_steps: int = 0         # a tensor-parallel rank: exit after this many steps (0: never)
+    stop_rank_in: str = ""                  # a tensor-parallel rank stops (SIGSTOP) in this phase (job.config.RANK_PHASES)
+    rank_build_delay_s: float = 0           # a tensor-parallel rank's runner build sleeps this long (a slow one)
     hold_dispatch_file: str = ""            # the driver: no unit handed out while this file exists
 
     @classmethod
@@ -44,9 +49,10 @@ class FaultPlan:
     @classmethod
     def for_rank(cls, debug: DebugConfig, index: int, incarnation: int, rank: int, size: int) -> FaultPlan:
         """A tensor-parallel rank's plan (ranks 1..N-1): the last rank of worker 0's first incarnation
-        may die after a step count."""
+        may die after a step count or stop in a phase."""
         last_of_first_w0 = index == 0 and incarnation == 0 and rank == size - 1
-        return cls(crash_rank_after_steps=debug.crash_rank_after_steps if last_of_first_w0 else 0)
+        return cls(crash_rank_after_steps=debug.crash_rank_after_steps if last_of_first_w0 else 0,
+                   stop_rank_in=debug.stop_rank_in if last_of_first_w0 else "")
 
     @classmethod
     def for_driver(cls, debug: DebugConfig) -> FaultPlan:
@@ -57,10 +63,24 @@ class FaultPlan:
         """Asked by the driver before it hands out units: True while the hold file exists."""
         return bool(self.hold_dispatch_file) and os.path.exists(self.hold_dispatch_file)
 
+    def on_rank_load(self) -> None:
+        """Called by a tensor-parallel rank as it starts loading (its heartbeat already running)."""
+        if self.stop_rank_in == "load":
+            stop_now()
+
+    def on_rank_build(self) -> None:
+        """Called by a tensor-parallel rank as it starts building its runner (it has joined the replica)."""
+        if self.stop_rank_in == "build":
+            stop_now()
+        if self.rank_build_delay_s:
+            time.sleep(self.rank_build_delay_s)     # slow, still beating (a busy machine measuring kernels)
+
     def after_rank_step(self, steps: int) -> None:
         """Called by a tensor-parallel rank after each step it ran."""
         if self.crash_rank_after_steps and steps >= self.crash_rank_after_steps:
             exit_now()
+        if self.stop_rank_in == "step" and steps == STOP_AFTER_STEPS:
+            stop_now()
 
     def on_start(self) -> None:
         if self.start_delay_s:
@@ -86,6 +106,11 @@ class FaultPlan:
 def exit_now() -> None:
     """Die like a killed process (no cleanup, no exception)."""
     os._exit(EXIT_CODE)
+
+
+def stop_now() -> None:
+    """Freeze this process (SIGSTOP): every thread stops, its sockets stay open; SIGCONT or SIGKILL ends it."""
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def hang() -> None:

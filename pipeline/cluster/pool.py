@@ -13,6 +13,8 @@ a worker can fail ends in a verdict, never a wait:
     actor died (node lost, OOM, os._exit)    its units are re-queued; a replacement is spawned while
                                              restarts are left
     a tensor-parallel rank died              the same, for its whole replica (rank 0 and the other ranks)
+    a rank stopped answering                 the same, once it has been silent for collective_timeout_s in
+                                             any phase (its load, the join, a step, idle: job/replica.py)
     a rank's load raised                     the job fails, as rank 0's would
     a unit's task raised                     that unit is re-queued (one attempt used); the worker
                                              stays, unless it says it is broken (WorkerBroken)
@@ -226,7 +228,9 @@ class WorkerPool:
             w.state, w.progress_at = READY, self.clock()
             self.ready_times.append(w.progress_at)
         except RayTaskError as e:
-            raise LoadFailed(f"worker {w.name} failed to load its models: {cause_of(e)}") from None
+            if "RankLost" not in cause_of(e):               # every replica would fail to load alike
+                raise LoadFailed(f"worker {w.name} failed to load its models: {cause_of(e)}") from None
+            self.retire(w, f"{cause_of(e)}{self._ranks_gone(w)}", replace=True)   # a rank lost, not the load
         except RayError as e:
             self.retire(w, f"died while loading: {cause_of(e)}", replace=True)
         return Outcome()

@@ -51,8 +51,7 @@ class RankWorker:
         torch.set_num_threads(max(1, self.threads))
         options = storage_options(m.target, self.storage) if "://" in m.target else None
         spec = ModelSpec(m.target, resolve_dtype(m.dtype, m.device).dtype, m.device, m.trust_remote_code, options)
-        return serve_rank(spec, address, self.rank, m.tensor_parallel_size, self.startup_timeout_s,
-                          self._faults.after_rank_step)
+        return serve_rank(spec, address, self.rank, m.tensor_parallel_size, self.startup_timeout_s, self._faults)
 
 
 class Rendezvous(NamedTuple):

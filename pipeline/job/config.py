@@ -28,6 +28,7 @@ from ..loading.hardware import AUTO, EXPLICIT_DTYPES
 DTYPES = (AUTO, *EXPLICIT_DTYPES)
 SAME = "same"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RANK_PHASES = ("", "load", "build", "step")     # debug.stop_rank_in: where a drill stops a rank ("": never)
 
 
 @dataclass
@@ -87,7 +88,8 @@ class ClusterConfig:
                                             # this long is taken as hung: killed, its units re-queued
     shutdown_grace_s: float = 30            # on SIGINT/SIGTERM, how long in-flight units may still commit
     collective_timeout_s: float = 120       # tensor parallel: a collective between a replica's ranks not
-                                            # done by then fails the replica (its units re-queued); an
+                                            # done by then, or a rank silent (no heartbeat) this long in
+                                            # any phase, fails the replica (its units re-queued); an
                                             # idle rank 0 beats every quarter of it
 
     def __post_init__(self):
@@ -113,6 +115,12 @@ class DebugConfig:
     hold_dispatch_file: str = ""            # while this file exists the driver hands out no unit
     crash_rank_after_steps: int = 0         # tensor parallel: the last rank of worker 0's first incarnation
                                             # exits (os._exit) after N steps
+    stop_rank_in: str = ""                  # tensor parallel: that rank stops itself (SIGSTOP) while it
+                                            # loads ("load"), builds its runner ("build") or after 3 steps ("step")
+
+    def __post_init__(self):
+        if self.stop_rank_in not in RANK_PHASES:
+            raise ConfigError(f"debug.stop_rank_in: expected one of {list(RANK_PHASES)}, got {self.stop_rank_in!r}")
 
 
 @dataclass

@@ -61,7 +61,8 @@ class SpecpipeProcessorConfig:
     storage: Any = field(default_factory=StorageConfig)        # object-store access for rounds_path
     startup_timeout_s: float = 900          # tensor parallel: a replica's ranks must load and join by then
     collective_timeout_s: float = 120       # tensor parallel: a collective between a replica's ranks not
-                                            # done by then ends the replica (Ray Data restarts it)
+                                            # done by then, or a rank silent (no heartbeat) this long in
+                                            # any phase, ends the replica (Ray Data restarts it)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():

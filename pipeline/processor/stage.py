@@ -64,12 +64,13 @@ class EngineThread:
     tokenization, as the job's engine loop does between steps, so that they never compete with a step
     for its cores) and returns a future of its Completion (or Refused). Only this thread touches the
     engine and names requests (a row's key, or a numbered copy while that key is in flight). If a step
-    raises, the thread stops and every pending and later request fails with it. `on_idle` runs (on this
-    thread) each time the engine drains: it has stepped since the last drain, runs nothing and has
-    nothing queued (the end of a dataset, or a stall in its input)."""
+    raises, the thread stops and every pending and later request fails with it, then `on_error(e)` runs.
+    `on_idle` runs (on this thread) each time the engine drains: it has stepped since the last drain,
+    runs nothing and has nothing queued (the end of a dataset, or a stall in its input)."""
 
-    def __init__(self, engine, num_threads: int, on_step=None, on_idle=None):
+    def __init__(self, engine, num_threads: int, on_step=None, on_idle=None, on_error=None):
         self.engine, self.num_threads, self.on_step, self.on_idle = engine, num_threads, on_step, on_idle
+        self.on_error = on_error
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Future] = {}
         self._copies = itertools.count()
@@ -106,6 +107,8 @@ class EngineThread:
                 future.set_exception(RuntimeError(f"the engine stopped: {e!r}"))
             while not self._inbox.empty():
                 self._inbox.get()[1].set_exception(RuntimeError(f"the engine stopped: {e!r}"))
+            if self.on_error is not None:
+                self.on_error(e)
 
     def _admit(self, block: bool) -> None:
         while True:
@@ -160,11 +163,17 @@ class SpecpipeStage:
         torch.set_num_threads(config.threads)
         t0 = time.perf_counter()
         self.name = f"replica-{uuid.uuid4().hex[:8]}"
-        self.tp = self._ranks() if config.models.tensor_parallel_size > 1 else None
-        self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage, tp=self.tp)
+        try:
+            self.tp = self._ranks() if config.models.tensor_parallel_size > 1 else None
+            self.loaded = build_engine(config.models, config.drafting, config.engine, storage=config.storage,
+                                       tp=self.tp)
+        except BaseException as e:
+            self._lost_rank(e)
+            raise
         self._rounds: dict[str, list[dict]] = {}        # request id -> its round rows (rounds log only)
         self._engine = EngineThread(self.loaded.engine, config.threads,
-                                    self._keep_rounds if config.rounds_path else None, self._log_stats)
+                                    self._keep_rounds if config.rounds_path else None, self._log_stats,
+                                    self._lost_rank)
         self._output = (RunOutput(config.rounds_path, config.run_id, config.storage)
                         if config.rounds_path else None)
         self._stamp = {"target_model": self.loaded.target_id, "draft_model": self.loaded.draft_id,
@@ -177,8 +186,9 @@ class SpecpipeStage:
 
     def _ranks(self):
         """Tensor parallel: ranks 1..N-1 started in this replica's placement group (bundles 1..N-1;
-        build_processor reserves it), rank 0's place once all have joined. A rank that dies ends this
-        replica's process, which Ray Data restarts, as it does a replica lost any other way."""
+        build_processor reserves it), rank 0's place once all have joined. A rank that dies or stops
+        answering ends this replica's process, which Ray Data restarts, as it does a replica lost any
+        other way."""
         import ray
         group = ray.util.get_current_placement_group()
         if group is None:
@@ -202,6 +212,14 @@ class SpecpipeStage:
             why = f"died: {type(e).__name__}"
         log.error("%s: tensor-parallel rank %d %s; the replica ends", self.name, self._rank_refs[done[0]], why)
         os._exit(1)
+
+    def _lost_rank(self, e: BaseException) -> None:
+        """A rank lost while loading or stepping (died, or stopped answering: RankLost) ends this process,
+        as a rank's death does (_watch_ranks); other errors are the caller's."""
+        from ..engine.parallel.group import RankLost
+        if isinstance(e, RankLost):
+            log.error("%s: %s; the replica ends", self.name, e)
+            os._exit(1)
 
     def _ranks_line(self) -> str:
         if self.tp is None:

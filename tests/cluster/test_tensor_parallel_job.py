@@ -59,3 +59,22 @@ def test_rank_killed_mid_run_job_completes_exactly_once(tiny_model_dir, ray_head
     run = read_run(tmp_path / "out" / "t")
     check_exactly_once(run, ids)
     assert {c["worker"] for c in run["completions"]} == {"w0.1"}
+
+
+@pytest.mark.slow
+def test_rank_stopped_while_loading_replica_replaced_within_the_timeout(tiny_model_dir, ray_head, tmp_path):
+    """Rank 1 of the first replica stops (SIGSTOP: its process frozen, its sockets open) as it starts
+    loading: the replica is retired once the rank has been silent for collective_timeout_s (not at the
+    load's own 900 s, nor at Ray's keepalive), the cause saying it stopped answering, and the replacement
+    replica finishes every row once."""
+    ids = shards(tmp_path / "in", files=2, rows=6)
+    cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), f"cluster.address={ray_head.address}",
+                     "cluster.num_workers=1", "models.tensor_parallel_size=2", "debug.stop_rank_in=load",
+                     "cluster.collective_timeout_s=5", "sampling.max_tokens=8")
+    summary = run_job(cfg)
+    lost = summary["workers_lost"]["w0"]
+    assert "rank 1 of 2 stopped answering: no heartbeat for" in lost and "while loading its part of the target" in lost
+    assert summary["worker_restarts"] >= 1
+    run = read_run(tmp_path / "out" / "t")
+    check_exactly_once(run, ids)
+    assert {c["worker"] for c in run["completions"]} == {"w0.1"}

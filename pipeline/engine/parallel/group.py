@@ -17,6 +17,12 @@ A collective that fails (a peer's process died: its sockets close) or waits past
 RankLost naming the group's rank, never a bare runtime error; `set_timeout` lengthens the bound
 while ranks load and shortens it once every rank serves steps.
 
+Every other rank beats on the rendezvous store from its own thread (`Heartbeat`: a counter raised every
+HEARTBEAT_S, from before it loads until it leaves) and marks where it has got to (`mark`: loaded,
+built). Rank 0 reads the beats (`Pulses`): a rank whose counter has not risen for the replica's
+timeout has stopped answering (a frozen process, a lost node), whatever rank 0 is waiting on, which a
+rank that is only slow (loading, measuring its kernels) never looks like.
+
 Knows nothing about models, runners or Ray.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import threading
 import time
 
 import torch
@@ -31,6 +38,8 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 EXCHANGE_MAX_RANKS = 4          # up to this many ranks an all-reduce is an exchange (above), beyond it a ring
+HEARTBEAT_S = 0.5               # a rank's beat on the store; silence is judged past max(timeout, 4 beats)
+POLL_S = 0.1                    # rank 0's look at the store while it waits for the ranks' marks
 
 
 class RankLost(RuntimeError):
@@ -53,6 +62,88 @@ def free_address(host: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
+def _client(address: str, timeout_s: float) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=_seconds(timeout_s))
+
+
+class Heartbeat:
+    """Rank `rank`'s beat on the store at `address` (its own connection and thread) until `stop()`;
+    `mark(name)` says the rank got there (rank 0's Pulses.wait_for reads it)."""
+
+    def __init__(self, address: str, rank: int, timeout_s: float):
+        self.rank, self._store = rank, _client(address, timeout_s)
+        self._stop = threading.Event()
+        self._store.add(f"alive/{rank}", 1)
+        threading.Thread(target=self._beat, name=f"tp-heartbeat-{rank}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._store.add(f"alive/{self.rank}", 1)
+            except RuntimeError:            # rank 0's store is gone: the replica is over
+                return
+
+    def mark(self, name: str) -> None:
+        self._store.set(f"{name}/{self.rank}", "1")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Pulses:
+    """Rank 0's reading of ranks 1..size-1's heartbeats (its own connection to the store): how long each
+    has been silent by rank 0's clock, and a rank silent past `timeout_s` named as stopped."""
+
+    def __init__(self, address: str, size: int, timeout_s: float, clock=time.monotonic):
+        self.size, self.timeout_s, self.clock = size, timeout_s, clock
+        self._store = _client(address, timeout_s)
+        self._lock = threading.Lock()           # the engine's thread and the idle beat's both read
+        self._seen = {r: (0, clock()) for r in range(1, size)}    # rank -> (count, when it last rose)
+
+    def silent(self) -> dict[int, float]:
+        """Seconds since each rank's count last rose, for the ranks that have beaten (one not started yet
+        is its phase's deadline's to judge)."""
+        with self._lock:
+            now = self.clock()
+            for r, (count, when) in self._seen.items():
+                latest = self._store.add(f"alive/{r}", 0)
+                if latest != count:
+                    self._seen[r] = (latest, now)
+            return {r: now - when for r, (count, when) in self._seen.items() if count}
+
+    def stopped(self, phase: str, past_s: float | None = None) -> RankLost | None:
+        """The loss of the rank silent longest, where one has been silent over `past_s` (default: the
+        bound, or four beats where that is less) while `phase`; else None."""
+        limit = max(self.timeout_s, 4 * HEARTBEAT_S) if past_s is None else past_s
+        silent = {r: s for r, s in self.silent().items() if s > limit}
+        if not silent:
+            return None
+        r = max(silent, key=silent.get)
+        return RankLost(f"tensor-parallel rank {r} of {self.size} stopped answering: no heartbeat for "
+                        f"{silent[r]:.0f} s (the bound is {self.timeout_s:g} s) while {phase}")
+
+    def check(self, phase: str) -> None:
+        """Raise the loss of a rank silent past the bound while `phase`, where there is one."""
+        lost = self.stopped(phase)
+        if lost is not None:
+            raise lost
+
+    def wait_for(self, name: str, phase: str, deadline_s: float) -> None:
+        """Until every rank has marked `name`, checking the heartbeats meanwhile; RankLost past deadline_s."""
+        t0 = self.clock()
+        while True:
+            with self._lock:
+                missing = [r for r in range(1, self.size) if not self._store.check([f"{name}/{r}"])]
+            if not missing:
+                return
+            self.check(phase)
+            if self.clock() - t0 > deadline_s:
+                raise RankLost(f"tensor-parallel rank {missing[0]} of {self.size} still {phase} after "
+                               f"{deadline_s:g} s (it answers: slow, not stopped)")
+            time.sleep(POLL_S)
+
+
 def open_rendezvous(address: str, size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's store server at `address` (host:port): the other ranks join it (RankGroup.join)."""
     host, port = address.rsplit(":", 1)
@@ -62,10 +153,12 @@ def open_rendezvous(address: str, size: int, timeout_s: float) -> dist.TCPStore:
 class RankGroup:
     """One rank's view of its replica's group: rank, size, backend, and the collectives."""
 
-    def __init__(self, pg, rank: int, size: int, backend: str, device: torch.device, store=None):
+    def __init__(self, pg, rank: int, size: int, backend: str, device: torch.device, store=None,
+                 timeout_s: float = 300.0):
         self.pg, self.rank, self.size, self.backend, self.device = pg, rank, size, backend, device
         self._store = store              # kept alive: rank 0's store server lives as long as the group
         self.seconds: dict[str, float] = {}    # wall seconds spent in each kind of collective (benchmarks)
+        self.timeout_s = timeout_s       # each wait's bound (set_timeout)
 
     @classmethod
     def join(cls, address: str, rank: int, size: int, device: str = "cpu", timeout_s: float = 300.0,
@@ -82,16 +175,22 @@ class RankGroup:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = _seconds(timeout_s)
             pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        return cls(pg, rank, size, backend, torch.device(device), store)
+        return cls(pg, rank, size, backend, torch.device(device), store, timeout_s)
 
     def set_timeout(self, timeout_s: float) -> None:
         """Bound every later collective by `timeout_s` (gloo; NCCL keeps the bound it was made with)."""
         if self.backend == "gloo":
             self.pg.set_timeout(_seconds(timeout_s))
+            self.timeout_s = timeout_s
 
     def _wait(self, work, what: str, peer: int | None = None) -> None:
+        """Wait for `work`: a gloo send or receive by the group's current bound (their own wait has none:
+        a peer that stopped, its socket open, would hold it forever)."""
         try:
-            work.wait()
+            if self.backend == "gloo":
+                work.wait(_seconds(self.timeout_s))
+            else:
+                work.wait()
         except RuntimeError as e:
             who = f"rank {peer}" if peer is not None else "a rank"
             raise RankLost(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "

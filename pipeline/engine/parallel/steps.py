@@ -8,8 +8,12 @@ rank decides alone. Commit and rollback are lengths the next message carries (th
 
 While rank 0 has no step to send (no rows yet, a unit being written), it sends a beat every
 `beat_s`, so an idle replica is never taken for a hung one; a beat that fails means a rank is gone,
-and the next step raises it. `serve` is the other ranks' loop: build a runner when told, then run
-each step it receives, until told to stop or a collective fails (rank 0 gone: RankLost).
+and the next step raises it. Where rank 0 reads the ranks' heartbeats (group.Pulses), it looks at them
+every third of a beat, whatever it is doing: a rank silent past the replica's timeout while rank 0 is
+idle is a loss the next step raises at once, and a step whose collective fails names the rank that
+stopped answering and for how long. `serve` is the other ranks' loop: build a runner when told (then
+mark it built), then run each step it receives, until told to stop or a collective fails (rank 0
+gone: RankLost).
 
 Knows nothing about models' insides, requests or Ray.
 """
@@ -21,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .group import RankGroup, RankLost
+from .group import HEARTBEAT_S, Pulses, RankGroup, RankLost
 
 OPS = ("forward", "copy_prefix", "move_path")
 
@@ -41,10 +45,11 @@ class TensorParallel:
 
 class Peers:
     """Rank 0's link to the other ranks: `step(op, **args)` sends a step and holds the group while
-    rank 0 runs its own part; a beat keeps idle ranks from timing out."""
+    rank 0 runs its own part; a beat keeps idle ranks from timing out. pulses: the ranks' heartbeats
+    (None: not read); startup_s bounds the ranks' runner builds (their kernels measured)."""
 
-    def __init__(self, group: RankGroup, beat_s: float):
-        self.group, self.beat_s = group, beat_s
+    def __init__(self, group: RankGroup, beat_s: float, pulses: Pulses | None = None, startup_s: float = 300.0):
+        self.group, self.beat_s, self.pulses, self.startup_s = group, beat_s, pulses, startup_s
         self._lock = threading.RLock()
         self._last = time.monotonic()
         self._error: RankLost | None = None     # the first rank loss seen: every later step raises it
@@ -61,32 +66,59 @@ class Peers:
                 self.group.broadcast_message({"op": op, **args})
                 yield
             except RankLost as e:
-                self._error = e
-                raise
+                self._error = self._named(e, f"rank 0 waited on a step ({op})")
+                raise self._error from None
             finally:
                 self._last = time.monotonic()
+
+    def _named(self, e: RankLost, phase: str) -> RankLost:
+        """`e`, led by the rank that stopped beating, where one did (beyond a few beats)."""
+        lost = self.pulses.stopped(phase, past_s=4 * HEARTBEAT_S) if self.pulses is not None else None
+        return e if lost is None else RankLost(f"{lost}; {e}")
 
     def runner(self, config: dict, kernels: dict, timeout_s: float, own_bytes: int) -> dict[int, int]:
         """Every rank builds its runner of `config` (engine config fields, max_num_seqs resolved) and
         `kernels`; once all are built, returns each rank's weight bytes (rank 0's: own_bytes) and
         bounds every later collective by timeout_s."""
         with self.step("runner", config=config, kernels=kernels, timeout_s=timeout_s):
+            if self.pulses is not None:
+                self.pulses.wait_for("built", "building its runner (loading and measuring its kernels)",
+                                     self.startup_s)
             held = _weight_bytes(self.group, own_bytes)
         self.group.set_timeout(timeout_s)
         return held
 
     def _beat(self) -> None:
         while not self._closed.wait(self.beat_s / 3):
+            self._listen()
             if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(timeout=1.0):
                 continue
             try:
                 if self._error is None and not self._closed.is_set():
                     self.group.broadcast_message({"op": "beat"})
             except RankLost as e:
-                self._error = e
+                self._error = self._named(e, "rank 0 was idle")
             finally:
                 self._last = time.monotonic()
                 self._lock.release()
+
+    def _listen(self) -> None:
+        """Read the ranks' heartbeats (keeping their silences current); a rank silent past the bound while
+        no step runs is this replica's loss, which the next step raises."""
+        if self.pulses is None or self._error is not None:
+            return
+        try:
+            if self._lock.acquire(blocking=False):       # no step runs: silence here is the idle phase's
+                try:
+                    self.pulses.check("rank 0 was idle")
+                finally:
+                    self._lock.release()
+            else:
+                self.pulses.silent()
+        except RankLost as e:
+            self._error = e
+        except RuntimeError:                             # the store is gone: the replica is closing
+            pass
 
     def stop(self) -> None:
         """Tell every rank to leave its loop (they exit cleanly); idempotent."""
@@ -109,11 +141,12 @@ def _weight_bytes(group: RankGroup, own: int) -> dict[int, int]:
 
 
 def serve(group: RankGroup, build: Callable[[dict, dict], object],
-          after_step: Callable[[int], None] = lambda steps: None) -> int:
+          after_step: Callable[[int], None] = lambda steps: None,
+          mark: Callable[[str], None] = lambda name: None) -> int:
     """A rank's loop (ranks 1..N-1): each message from rank 0 run on this rank's runner. `build(config,
     kernels)` makes the runner, whose `weight_bytes` (what this rank's weights hold) rank 0 gathers;
-    `after_step(steps)` is called after each step run. Returns the steps run when told to stop; raises
-    RankLost when rank 0 is gone."""
+    `mark("built")` then tells rank 0 (its heartbeat's mark); `after_step(steps)` is called after each
+    step run. Returns the steps run when told to stop; raises RankLost when rank 0 is gone."""
     runner, steps = None, 0
     while True:
         message = group.broadcast_message()
@@ -124,6 +157,7 @@ def serve(group: RankGroup, build: Callable[[dict, dict], object],
             continue
         if op == "runner":
             runner = build(message["config"], message["kernels"])
+            mark("built")
             _weight_bytes(group, runner.weight_bytes)
             group.set_timeout(message["timeout_s"])
             continue
