@@ -26,7 +26,7 @@ settled back to the committed tokens at commit (undoing only the rejected ones).
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
 used for stop strings and output text. It reaches the drafter only through the Drafter protocol
 (drafting/: the draft model's KV lengths and catch-up are the drafter's), and measures costs
-through drafting/adaptive.py.
+through drafting/cost.py.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
 from .core.verify_step import VerifyStep
-from .drafting.adaptive import CostModel
+from .drafting.cost import CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
 from .drafting.guided import GuidedDraft, propose_guided
 from .drafting.lengths import draft_lengths

@@ -3,7 +3,7 @@ once, the rounds in turn, so a stretch where the machine is busy elsewhere slows
 call rather than every timing of one; the median of a call's rounds is its time.
 
 Used by the kernel plans (backends/cpu/calibrate.py) and the adaptive policy's cost curves
-(drafting/adaptive.py). No torch import.
+(drafting/cost.py). No torch import.
 """
 from __future__ import annotations
 
