@@ -30,9 +30,7 @@ through drafting/cost.py.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,14 +40,16 @@ from .ahead import RunAhead
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
 from .core.request import RequestError, SamplingParams, Sequence
+from .core.rng import seq_generators, verify_uniforms
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
+from .core.timing import Stopwatch
 from .core.tree import children, num_leaves, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
 from .core.verify_step import VerifyStep
-from .drafting.cost import CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
+from .drafting.cost import CostModel
 from .drafting.guided import GuidedDraft, propose_guided
 from .drafting.lengths import draft_lengths
 from .grammar.library import Grammars
@@ -107,35 +107,6 @@ class Completion:
 class StepOutput:
     finished: list[Completion] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
-
-
-@dataclass
-class _SeqRng:
-    draft: torch.Generator
-    verify: torch.Generator
-
-
-def seq_generators(seed: int, request_id: str) -> _SeqRng:
-    """Independent CPU generators for a sequence, from (seed, request id) only: the same seed and
-    prompt sample the same tokens whatever the batch or admission order."""
-    def gen(salt: str) -> torch.Generator:
-        digest = hashlib.sha256(f"{seed}\x00{request_id}\x00{salt}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return _SeqRng(draft=gen("draft"), verify=gen("verify"))
-
-
-class Stopwatch:
-    """Seconds spent inside `with` blocks of it, summed in `s` (one block: its duration)."""
-
-    def __init__(self):
-        self.s = 0.0
-
-    def __enter__(self) -> "Stopwatch":
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.s += time.perf_counter() - self._start
 
 
 class SpecEngine:
@@ -416,7 +387,7 @@ class SpecEngine:
             inputs = [[t] + drafts.tokens(b) for b, t in enumerate(last)]
             slots = [s.slot for s in batch]
             uniforms = (None if all(s.params.is_greedy for s in batch)
-                        else self._verify_uniforms(batch, drafts.num_draft))
+                        else verify_uniforms(batch, drafts.num_draft))
             with self._grammar_time:   # [sum(g + 1), words] on the host
                 allowed = walk.target_allowed(drafts.num_draft, "cpu") if walk is not None else None
             penalties = any(s.params.has_penalties for s in batch)
@@ -450,8 +421,8 @@ class SpecEngine:
                      inputs: list[list[int]], allowed: torch.Tensor | None = None,
                      uniforms: tuple[torch.Tensor, torch.Tensor] | None = None) -> VerifyOutput:
         """Greedy rule, or rejection sampling with each sequence's verify uniforms (host, drawn by
-        _verify_uniforms), on p processed per row on that row's own prefix (the round's inputs before
-        it), masked by `allowed` (the rows' grammar masks, or None)."""
+        verify_uniforms: core/rng.py), on p processed per row on that row's own prefix (the round's
+        inputs before it), masked by `allowed` (the rows' grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [path for b, toks in enumerate(inputs) for path in path_tokens(drafts.parents_of(b), toks[1:])]
         greedy = [s.params.is_greedy for s in batch]
@@ -462,15 +433,6 @@ class SpecEngine:
             uniforms = tuple(u.to(target_rows.device) for u in uniforms)
         return verify_drafts(drafts.draft_ids, drafts.cu_num_draft, drafts.num_draft, drafts.parents, target_rows,
                              drafts.draft_probs, greedy, uniforms)
-
-    def _verify_uniforms(self, batch, num_draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """g + 1 uniforms per sampled sequence per round, from its own verify generator (host tensors)."""
-        accept, sample = [], []
-        for s, g in zip(batch, num_draft):
-            u = torch.zeros(g + 1) if s.params.is_greedy else torch.rand(g + 1, generator=s.rng.verify)
-            accept.append(u[:g])
-            sample.append(u[g:])
-        return torch.cat(accept), torch.cat(sample)
 
     def _commit(self, step: Launched, out: HostVerifyOutput, verify_s: float) -> tuple[list[RoundRecord],
                                                                                     list[Sequence]]:
