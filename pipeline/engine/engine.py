@@ -35,11 +35,12 @@ from typing import Callable
 
 import torch
 
+from .admit import Intake, admit_and_prefill
 from .ahead import RunAhead
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
-from .core.request import RequestError, SamplingParams, Sequence
-from .core.rng import seq_generators, verify_uniforms
+from .core.request import SamplingParams, Sequence
+from .core.rng import verify_uniforms
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
 from .core.timing import Stopwatch
@@ -54,7 +55,6 @@ from .drafting.lengths import draft_lengths
 from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
 from .launch import Carry, Launched
-from .model.prefill import forward_history
 from .model.runner import ModelRunner
 from .model.slots import measuring_context
 from .records import Completion, RoundRecord, StepOutput, completion, round_record
@@ -96,7 +96,7 @@ class SpecEngine:
         self.costs_cached: bool | None = None     # the cost curves were read from the kernel cache (calibrate)
         self.lengths = draft_lengths(self.drafting.adaptive, self.drafting.num_speculative_tokens, self.costs,
                                      self.drafter.is_free)
-        self._ids: set[str] = set()
+        self.intake = Intake(self.config.max_model_len, target.vocab_size, grammars)   # request ids in flight
         self.num_steps = 0               # decoding steps (rounds) run
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
@@ -125,34 +125,7 @@ class SpecEngine:
                     seed: int = 0) -> None:
         """Queue a request. Raises RequestError (naming the field) for bad input; the running batch is
         never touched by a rejected request."""
-        params = params or SamplingParams()
-        self._validate(request_id, prompt_ids, params)
-        seq = Sequence(str(request_id), [int(t) for t in prompt_ids], params, int(seed))
-        fmt = params.constraint
-        if fmt is not None:
-            if self.grammars is None:
-                raise RequestError("response_format", "this engine has no grammar support (no tokenizer "
-                                                      "given); expected no response_format", "bad_response_format")
-            seq.guide = self.grammars.guide(fmt)       # RequestError when it does not compile
-        seq.rng = seq_generators(seq.seed, seq.request_id)
-        self._ids.add(seq.request_id)
-        self.scheduler.add(seq)
-
-    def _validate(self, request_id, prompt_ids, params) -> None:
-        if not isinstance(params, SamplingParams):
-            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}", "bad_sampling")
-        if str(request_id) in self._ids:
-            raise RequestError("request_id", f"duplicate id {request_id!r}", "duplicate_id")
-        if len(prompt_ids) == 0:
-            raise RequestError("prompt", "empty prompt: expected at least 1 token", "empty_prompt")
-        limit = self.config.max_model_len - 1
-        if len(prompt_ids) > limit:
-            raise RequestError("prompt", f"{len(prompt_ids)} tokens; expected at most {limit} "
-                                         f"(max_model_len {self.config.max_model_len} leaves room for 1 new token)",
-                               "prompt_too_long")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.vocab_size]
-        if bad:
-            raise RequestError("prompt", f"token id {bad[0]} outside [0, {self.target.vocab_size})", "bad_token_id")
+        self.scheduler.add(self.intake.sequence(request_id, prompt_ids, params, seed))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -242,37 +215,9 @@ class SpecEngine:
         return self.lengths.drafts_lazily
 
     def _admit(self) -> None:
-        """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
-        which is the first round's input) for the target and (unless lazy) the drafter."""
-        admitted = self.scheduler.admit()
-        if self.prefixes is not None:
-            self._reuse_prefixes(admitted)
-        chunks = self.scheduler.prefill_chunks(
-            lambda s: 0 if self.prefixes is not None and not self.prefixes.is_planned(s)
-            else len(s.prompt_ids) - 1 - s.num_computed)
-        forward_history(self.target, chunks, lambda seq: seq.num_computed)
-        if not self._lazy_draft:
-            self.drafter.prefill(chunks)
-        for seq, n in chunks:
-            seq.num_computed += n
-        for seq in list(self.scheduler.prefilling):
-            if seq.num_computed == len(seq.prompt_ids) - 1:
-                self.scheduler.promote(seq)
-
-    def _reuse_prefixes(self, admitted: list[Sequence]) -> None:
-        """New sequences copy the target KV of the longest prompt prefix a slot holds (core/prefix.py), in
-        admission order; one whose prefix an earlier sequence is still computing waits a step."""
-        for seq in admitted:
-            self.prefixes.admit(seq)
-        for seq in list(self.scheduler.prefilling):
-            if self.prefixes.is_planned(seq):
-                continue
-            reuse = self.prefixes.plan(seq)
-            if reuse is not None:
-                if reuse.num_tokens and reuse.slot != seq.slot:
-                    self.target.copy_prefix(reuse.slot, seq.slot, reuse.num_tokens)
-                seq.num_computed = seq.num_prefix_reused = reuse.num_tokens
-                self.drafter.reuse_prefix(seq, reuse)
+        """Admit into free slots, then prefill this step's chunks for the target and (unless lazy) the
+        drafter (admit.py)."""
+        admit_and_prefill(self.scheduler, self.prefixes, self.target, self.drafter, not self._lazy_draft)
 
     def _draft(self, batch: list[Sequence]) -> tuple[GuidedDraft, RoundWalk | None, float, float]:
         """Draft lengths, the lazy draft catch-up, the proposal (with forced tokens and grammar cuts
@@ -444,7 +389,7 @@ class SpecEngine:
         return [self._completion(seq) for seq in finished]
 
     def _completion(self, seq: Sequence) -> Completion:
-        self._ids.discard(seq.request_id)
+        self.intake.forget(seq.request_id)
         return completion(seq, self.decode)
 
     def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
