@@ -23,6 +23,9 @@ Rows with a response_format also walk their grammar through the round's proposal
 each position's mask is computed once, used by the drafter and the verifier, and the walk is
 settled back to the committed tokens at commit (undoing only the rejected ones).
 
+Requests are checked, admitted and prefilled in admit.py; the records handed out are built in
+records.py; the cost curves are measured and fed each step's seconds in calibration.py.
+
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
 used for stop strings and output text. It reaches the drafter only through the Drafter protocol
 (drafting/: the draft model's KV lengths and catch-up are the drafter's), and measures costs
@@ -37,6 +40,7 @@ import torch
 
 from .admit import Intake, admit_and_prefill
 from .ahead import RunAhead
+from .calibration import measured_curves, observe_step
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
 from .core.request import SamplingParams, Sequence
@@ -56,7 +60,6 @@ from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
 from .launch import Carry, Launched
 from .model.runner import ModelRunner
-from .model.slots import measuring_context
 from .records import Completion, RoundRecord, StepOutput, completion, round_record
 
 
@@ -162,20 +165,12 @@ class SpecEngine:
             step = self._launch(batch, *self._draft(batch))
         self.ahead.launch_after(step)
         out, verify_s = self._finish(step)
-        self._observe_costs(step, verify_s)
+        observe_step(self.costs, step, verify_s)
         rounds, alive = self._commit(step, out, verify_s)
         finished = self._emit(alive)
         self.ahead.drop_ended()
         self.num_steps += 1
         return StepOutput(finished=finished, rounds=rounds)
-
-    def _observe_costs(self, step: Launched, verify_s: float) -> None:
-        """The step's draft and verify seconds, for the cost model's online rescaling."""
-        guided = step.guided
-        self.costs.observe(batch_size=len(step.batch), num_draft=sum(guided.num_drafted),
-                           draft_s=step.draft_s - step.catch_up_s,
-                           target_tokens=len(step.batch) + sum(guided.drafts.num_draft),
-                           verify_s=verify_s, draft_steps=max(guided.num_drafted))
 
     def calibrate(self, repeats: int = 3, fresh: bool = False) -> None:
         """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
@@ -185,26 +180,8 @@ class SpecEngine:
         as ever); fresh: measure them again, and keep those for later starts."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
-        cfg, draft = self.config, self.drafter.draft_runner
-        max_draft = max(self.drafting.num_speculative_tokens, self.drafting.tree.max_tokens)   # a tree's tokens
-        # On CPU a step of twice the slots' tokens is bound by its arithmetic: larger ones are extrapolated.
-        # Where the runner timed plain steps up to its slots (max_num_seqs: auto), those are the curve up to
-        # there, and past the slots it runs on along their last two: the cost of an added row, which bounds
-        # that of an added token from above (a row reads its own KV, a token its row's), so that drafting
-        # at a full batch is priced high, not low, until the run's steps say otherwise (StepFit).
-        steps = self.target.plain_steps if cfg.max_num_seqs in self.target.plain_steps else {}
-        cpu = self.target.device.type == "cpu"
-        linear_past = (cfg.max_num_seqs if steps else 2 * cfg.max_num_seqs) if cpu else None
-
-        def measure() -> dict:
-            costs = CostModel()
-            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, measuring_context(cfg.max_model_len),
-                            repeats, linear_past=linear_past, known=None if fresh else steps)
-            return costs.curves()
-        fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
-                  "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats,
-                  "linear_past": linear_past, "plain_steps": sorted(steps)}
-        curves, self.costs_cached = self.target.measured("cost-curves", fields, measure, fresh=fresh)
+        curves, self.costs_cached = measured_curves(self.target, self.drafter.draft_runner, self.config,
+                                                    self.drafting, repeats, fresh)
         self.costs.use(curves)
 
     @property
