@@ -91,7 +91,7 @@ def run_vllm(mode: str, model: str, prompts_file: Path, n_b1: int, repeats: int,
 def predicted_speedup(spec: dict, base: dict) -> float | None:
     """Our cost model: time = sum over steps of V(target tokens) + draft steps x D(batch) (n-gram:
     its measured lookup time), with V, D the calibrated curves of the speculative run's process."""
-    from pipeline.engine.drafting.adaptive import CostModel
+    from pipeline.engine.drafting.cost import CostModel
     if not spec.get("verify_curve") or not spec.get("steps") or not base.get("steps"):
         return None
     cm = CostModel()

@@ -12,7 +12,7 @@ _WHERE = {
     "DraftBatch": ".drafting.base", "Drafter": ".drafting.base", "NoDrafter": ".drafting.base",
     "DraftModelDrafter": ".drafting.draft_model", "HybridDrafter": ".drafting.hybrid",
     "NgramDrafter": ".drafting.ngram", "SuffixDrafter": ".drafting.suffix",
-    "Completion": ".engine", "RoundRecord": ".engine", "SpecEngine": ".engine", "StepOutput": ".engine",
+    "Completion": ".records", "RoundRecord": ".records", "SpecEngine": ".engine", "StepOutput": ".records",
     "Kernels": ".model.plan", "ModelRunner": ".model.runner",
 }
 __all__ = sorted(_WHERE)

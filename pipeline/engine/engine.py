@@ -23,119 +23,44 @@ Rows with a response_format also walk their grammar through the round's proposal
 each position's mask is computed once, used by the drafter and the verifier, and the walk is
 settled back to the committed tokens at commit (undoing only the rejected ones).
 
+Requests are checked, admitted and prefilled in admit.py; the records handed out are built in
+records.py; the cost curves are measured and fed each step's seconds in calibration.py.
+
 This module knows nothing about files, Ray, or tokenisation beyond an optional `decode` callable
 used for stop strings and output text. It reaches the drafter only through the Drafter protocol
 (drafting/: the draft model's KV lengths and catch-up are the drafter's), and measures costs
-through drafting/adaptive.py.
+through drafting/cost.py.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .admit import Intake, admit_and_prefill
 from .ahead import RunAhead
+from .calibration import measured_curves, observe_step
 from .config import AUTO, DraftingConfig, EngineConfig
 from .core.prefix import PrefixIndex
-from .core.request import RequestError, SamplingParams, Sequence
+from .core.request import SamplingParams, Sequence
+from .core.rng import verify_uniforms
 from .core.sampling import row_probs
 from .core.scheduler import Scheduler
-from .core.tree import children, num_leaves, path_tokens
+from .core.timing import Stopwatch
+from .core.tree import children, path_tokens
 from .core.verify import HostVerifyOutput, VerifyOutput
 from .core.verify_rule import verify_drafts
 from .core.verify_step import VerifyStep
-from .drafting.adaptive import CostModel
 from .drafting.base import DraftBatch, Drafter, NoDrafter
+from .drafting.cost import CostModel
 from .drafting.guided import GuidedDraft, propose_guided
 from .drafting.lengths import draft_lengths
 from .grammar.library import Grammars
 from .grammar.walk import RoundWalk
 from .launch import Carry, Launched
-from .model.prefill import forward_history
 from .model.runner import ModelRunner
-from .model.slots import measuring_context
-
-
-@dataclass
-class RoundRecord:
-    request_id: str
-    round: int                       # 0-based round index of this sequence
-    draft_len: int                   # g proposed
-    accepted: int                    # leading draft tokens accepted
-    emitted: int                     # tokens committed this round (accepted + recovered/bonus, cut at stops)
-    accepted_mask: list[bool]        # per draft position
-    batch_size: int                  # running sequences in this step
-    draft_s: float                   # the step's draft phase, seconds
-    verify_s: float                  # the step's verify phase (target forward + verification)
-    step: int = 0                    # engine step index (rounds of one step share it)
-    forced: int = 0                  # of draft_len: forced by the row's grammar, not drafted
-    forced_accepted: int = 0         # of accepted: forced ones
-    paths: int = 0                   # root-to-leaf paths in the draft: 1 a single path, more a token tree
-                                     # (draft_len its size, accepted the depth of its accepted path)
-    rejected: bool = False           # a draft token after the accepted ones was rejected (the round's last
-                                     # token was recovered, not a bonus)
-
-    @property
-    def first_rejected(self) -> int | None:
-        """The draft position (a tree: the depth) of the rejection, or None when there was none."""
-        return self.accepted if self.rejected else None
-
-
-@dataclass
-class Completion:
-    request_id: str
-    prompt_len: int
-    output_ids: list[int]
-    text: str | None
-    finish_reason: str
-    seed: int
-    num_rounds: int
-    num_draft_tokens: int
-    num_accepted: int
-    prompt_tokens_reused: int = 0    # prompt positions whose KV was copied from a slot (prefix reuse)
-    response_format: str | None = None   # the row's constraint (canonical JSON) or None
-    valid: bool | None = None        # constrained rows: the grammar ended the output (EOS or a stop
-                                     # where it accepts); False when max_tokens or the context ran out
-    num_forced: int = 0              # committed tokens that were forced by the grammar
-
-
-@dataclass
-class StepOutput:
-    finished: list[Completion] = field(default_factory=list)
-    rounds: list[RoundRecord] = field(default_factory=list)
-
-
-@dataclass
-class _SeqRng:
-    draft: torch.Generator
-    verify: torch.Generator
-
-
-def seq_generators(seed: int, request_id: str) -> _SeqRng:
-    """Independent CPU generators for a sequence, from (seed, request id) only: the same seed and
-    prompt sample the same tokens whatever the batch or admission order."""
-    def gen(salt: str) -> torch.Generator:
-        digest = hashlib.sha256(f"{seed}\x00{request_id}\x00{salt}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return _SeqRng(draft=gen("draft"), verify=gen("verify"))
-
-
-class Stopwatch:
-    """Seconds spent inside `with` blocks of it, summed in `s` (one block: its duration)."""
-
-    def __init__(self):
-        self.s = 0.0
-
-    def __enter__(self) -> "Stopwatch":
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.s += time.perf_counter() - self._start
+from .records import Completion, RoundRecord, StepOutput, completion, round_record
 
 
 class SpecEngine:
@@ -174,7 +99,7 @@ class SpecEngine:
         self.costs_cached: bool | None = None     # the cost curves were read from the kernel cache (calibrate)
         self.lengths = draft_lengths(self.drafting.adaptive, self.drafting.num_speculative_tokens, self.costs,
                                      self.drafter.is_free)
-        self._ids: set[str] = set()
+        self.intake = Intake(self.config.max_model_len, target.vocab_size, grammars)   # request ids in flight
         self.num_steps = 0               # decoding steps (rounds) run
         self._grammar_time = Stopwatch()  # grammar work (masks, forced tokens, walks; with the `none`
                                           # drafter all of the draft phase), over all steps
@@ -203,34 +128,7 @@ class SpecEngine:
                     seed: int = 0) -> None:
         """Queue a request. Raises RequestError (naming the field) for bad input; the running batch is
         never touched by a rejected request."""
-        params = params or SamplingParams()
-        self._validate(request_id, prompt_ids, params)
-        seq = Sequence(str(request_id), [int(t) for t in prompt_ids], params, int(seed))
-        fmt = params.constraint
-        if fmt is not None:
-            if self.grammars is None:
-                raise RequestError("response_format", "this engine has no grammar support (no tokenizer "
-                                                      "given); expected no response_format", "bad_response_format")
-            seq.guide = self.grammars.guide(fmt)       # RequestError when it does not compile
-        seq.rng = seq_generators(seq.seed, seq.request_id)
-        self._ids.add(seq.request_id)
-        self.scheduler.add(seq)
-
-    def _validate(self, request_id, prompt_ids, params) -> None:
-        if not isinstance(params, SamplingParams):
-            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}", "bad_sampling")
-        if str(request_id) in self._ids:
-            raise RequestError("request_id", f"duplicate id {request_id!r}", "duplicate_id")
-        if len(prompt_ids) == 0:
-            raise RequestError("prompt", "empty prompt: expected at least 1 token", "empty_prompt")
-        limit = self.config.max_model_len - 1
-        if len(prompt_ids) > limit:
-            raise RequestError("prompt", f"{len(prompt_ids)} tokens; expected at most {limit} "
-                                         f"(max_model_len {self.config.max_model_len} leaves room for 1 new token)",
-                               "prompt_too_long")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.vocab_size]
-        if bad:
-            raise RequestError("prompt", f"token id {bad[0]} outside [0, {self.target.vocab_size})", "bad_token_id")
+        self.scheduler.add(self.intake.sequence(request_id, prompt_ids, params, seed))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -267,20 +165,12 @@ class SpecEngine:
             step = self._launch(batch, *self._draft(batch))
         self.ahead.launch_after(step)
         out, verify_s = self._finish(step)
-        self._observe_costs(step, verify_s)
+        observe_step(self.costs, step, verify_s)
         rounds, alive = self._commit(step, out, verify_s)
         finished = self._emit(alive)
         self.ahead.drop_ended()
         self.num_steps += 1
         return StepOutput(finished=finished, rounds=rounds)
-
-    def _observe_costs(self, step: Launched, verify_s: float) -> None:
-        """The step's draft and verify seconds, for the cost model's online rescaling."""
-        guided = step.guided
-        self.costs.observe(batch_size=len(step.batch), num_draft=sum(guided.num_drafted),
-                           draft_s=step.draft_s - step.catch_up_s,
-                           target_tokens=len(step.batch) + sum(guided.drafts.num_draft),
-                           verify_s=verify_s, draft_steps=max(guided.num_drafted))
 
     def calibrate(self, repeats: int = 3, fresh: bool = False) -> None:
         """Measure the adaptive policy's cost curves (CostModel.calibrate) for the target and the
@@ -290,26 +180,8 @@ class SpecEngine:
         as ever); fresh: measure them again, and keep those for later starts."""
         if self.scheduler.running or self.scheduler.prefilling:
             raise RuntimeError("calibrate() needs an idle engine (no sequence holds a slot)")
-        cfg, draft = self.config, self.drafter.draft_runner
-        max_draft = max(self.drafting.num_speculative_tokens, self.drafting.tree.max_tokens)   # a tree's tokens
-        # On CPU a step of twice the slots' tokens is bound by its arithmetic: larger ones are extrapolated.
-        # Where the runner timed plain steps up to its slots (max_num_seqs: auto), those are the curve up to
-        # there, and past the slots it runs on along their last two: the cost of an added row, which bounds
-        # that of an added token from above (a row reads its own KV, a token its row's), so that drafting
-        # at a full batch is priced high, not low, until the run's steps say otherwise (StepFit).
-        steps = self.target.plain_steps if cfg.max_num_seqs in self.target.plain_steps else {}
-        cpu = self.target.device.type == "cpu"
-        linear_past = (cfg.max_num_seqs if steps else 2 * cfg.max_num_seqs) if cpu else None
-
-        def measure() -> dict:
-            costs = CostModel()
-            costs.calibrate(self.target, draft, cfg.max_num_seqs, max_draft, measuring_context(cfg.max_model_len),
-                            repeats, linear_past=linear_past, known=None if fresh else steps)
-            return costs.curves()
-        fields = {"draft": draft.identity() if draft is not None else None, "slots": cfg.max_num_seqs,
-                  "max_draft": max_draft, "max_model_len": cfg.max_model_len, "repeats": repeats,
-                  "linear_past": linear_past, "plain_steps": sorted(steps)}
-        curves, self.costs_cached = self.target.measured("cost-curves", fields, measure, fresh=fresh)
+        curves, self.costs_cached = measured_curves(self.target, self.drafter.draft_runner, self.config,
+                                                    self.drafting, repeats, fresh)
         self.costs.use(curves)
 
     @property
@@ -320,37 +192,9 @@ class SpecEngine:
         return self.lengths.drafts_lazily
 
     def _admit(self) -> None:
-        """Admit into free slots, then prefill this step's chunks (all prompt tokens but the last,
-        which is the first round's input) for the target and (unless lazy) the drafter."""
-        admitted = self.scheduler.admit()
-        if self.prefixes is not None:
-            self._reuse_prefixes(admitted)
-        chunks = self.scheduler.prefill_chunks(
-            lambda s: 0 if self.prefixes is not None and not self.prefixes.is_planned(s)
-            else len(s.prompt_ids) - 1 - s.num_computed)
-        forward_history(self.target, chunks, lambda seq: seq.num_computed)
-        if not self._lazy_draft:
-            self.drafter.prefill(chunks)
-        for seq, n in chunks:
-            seq.num_computed += n
-        for seq in list(self.scheduler.prefilling):
-            if seq.num_computed == len(seq.prompt_ids) - 1:
-                self.scheduler.promote(seq)
-
-    def _reuse_prefixes(self, admitted: list[Sequence]) -> None:
-        """New sequences copy the target KV of the longest prompt prefix a slot holds (core/prefix.py), in
-        admission order; one whose prefix an earlier sequence is still computing waits a step."""
-        for seq in admitted:
-            self.prefixes.admit(seq)
-        for seq in list(self.scheduler.prefilling):
-            if self.prefixes.is_planned(seq):
-                continue
-            reuse = self.prefixes.plan(seq)
-            if reuse is not None:
-                if reuse.num_tokens and reuse.slot != seq.slot:
-                    self.target.copy_prefix(reuse.slot, seq.slot, reuse.num_tokens)
-                seq.num_computed = seq.num_prefix_reused = reuse.num_tokens
-                self.drafter.reuse_prefix(seq, reuse)
+        """Admit into free slots, then prefill this step's chunks for the target and (unless lazy) the
+        drafter (admit.py)."""
+        admit_and_prefill(self.scheduler, self.prefixes, self.target, self.drafter, not self._lazy_draft)
 
     def _draft(self, batch: list[Sequence]) -> tuple[GuidedDraft, RoundWalk | None, float, float]:
         """Draft lengths, the lazy draft catch-up, the proposal (with forced tokens and grammar cuts
@@ -416,7 +260,7 @@ class SpecEngine:
             inputs = [[t] + drafts.tokens(b) for b, t in enumerate(last)]
             slots = [s.slot for s in batch]
             uniforms = (None if all(s.params.is_greedy for s in batch)
-                        else self._verify_uniforms(batch, drafts.num_draft))
+                        else verify_uniforms(batch, drafts.num_draft))
             with self._grammar_time:   # [sum(g + 1), words] on the host
                 allowed = walk.target_allowed(drafts.num_draft, "cpu") if walk is not None else None
             penalties = any(s.params.has_penalties for s in batch)
@@ -450,8 +294,8 @@ class SpecEngine:
                      inputs: list[list[int]], allowed: torch.Tensor | None = None,
                      uniforms: tuple[torch.Tensor, torch.Tensor] | None = None) -> VerifyOutput:
         """Greedy rule, or rejection sampling with each sequence's verify uniforms (host, drawn by
-        _verify_uniforms), on p processed per row on that row's own prefix (the round's inputs before
-        it), masked by `allowed` (the rows' grammar masks, or None)."""
+        verify_uniforms: core/rng.py), on p processed per row on that row's own prefix (the round's
+        inputs before it), masked by `allowed` (the rows' grammar masks, or None)."""
         row_seqs = [s for s, toks in zip(batch, inputs) for _ in toks]
         prefixes = [path for b, toks in enumerate(inputs) for path in path_tokens(drafts.parents_of(b), toks[1:])]
         greedy = [s.params.is_greedy for s in batch]
@@ -462,15 +306,6 @@ class SpecEngine:
             uniforms = tuple(u.to(target_rows.device) for u in uniforms)
         return verify_drafts(drafts.draft_ids, drafts.cu_num_draft, drafts.num_draft, drafts.parents, target_rows,
                              drafts.draft_probs, greedy, uniforms)
-
-    def _verify_uniforms(self, batch, num_draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """g + 1 uniforms per sampled sequence per round, from its own verify generator (host tensors)."""
-        accept, sample = [], []
-        for s, g in zip(batch, num_draft):
-            u = torch.zeros(g + 1) if s.params.is_greedy else torch.rand(g + 1, generator=s.rng.verify)
-            accept.append(u[:g])
-            sample.append(u[g:])
-        return torch.cat(accept), torch.cat(sample)
 
     def _commit(self, step: Launched, out: HostVerifyOutput, verify_s: float) -> tuple[list[RoundRecord],
                                                                                     list[Sequence]]:
@@ -485,8 +320,8 @@ class SpecEngine:
             alive.append(seq)
             emitted = self._commit_tokens(step, out, b, seq)
             rejected = self._observe_acceptance(step, out, b, seq)
-            rounds.append(self._record(step, out, b, seq, emitted, out.is_accepted[cu[b]:cu[b + 1]], rejected,
-                                       verify_s))
+            rounds.append(round_record(step, out, b, seq, emitted, out.is_accepted[cu[b]:cu[b + 1]], rejected,
+                                       verify_s, self.num_steps))
         self.drafter.on_commit(alive)
         return rounds, alive
 
@@ -518,24 +353,6 @@ class SpecEngine:
             self.lengths.observe_tree(drafts.plans[b].probs, drafts.plans[b].parents, k)
         return rejected
 
-    def _record(self, step: Launched, out: HostVerifyOutput, b: int, seq: Sequence, emitted: int,
-                mask, rejected: bool, verify_s: float) -> RoundRecord:
-        """Row b's round record (mask: its drafts' accepted flags), and its counts (rounds, drafted,
-        accepted, forced tokens committed)."""
-        drafts, g, k = step.guided.drafts, step.guided.drafts.num_draft[b], out.num_accepted[b]
-        forced = step.guided.forced_rows(b)
-        record = RoundRecord(
-            request_id=seq.request_id, round=seq.num_rounds, draft_len=g, accepted=k, emitted=emitted,
-            accepted_mask=mask, batch_size=len(step.batch), draft_s=step.draft_s,
-            verify_s=verify_s, step=self.num_steps, forced=len(forced),
-            forced_accepted=sum(1 for i in forced if i < k),              # as `accepted` counts them
-            paths=num_leaves(drafts.parents[b]) if drafts.is_tree else int(g > 0), rejected=rejected)
-        seq.num_forced += sum(1 for i in forced if i < min(k, emitted))   # committed ones
-        seq.num_rounds += 1
-        seq.num_draft_tokens += g
-        seq.num_accepted += k
-        return record
-
     def _emit(self, batch: list[Sequence]) -> list[Completion]:
         """Free the slots of finished sequences (in the scheduler and the drafter); their completions."""
         finished = [seq for seq in batch if seq.is_finished]
@@ -549,17 +366,8 @@ class SpecEngine:
         return [self._completion(seq) for seq in finished]
 
     def _completion(self, seq: Sequence) -> Completion:
-        self._ids.discard(seq.request_id)
-        text = seq.text
-        if text is None and self.decode is not None:
-            text = self.decode(seq.output_ids)
-        constrained = seq.params.response_format is not None
-        return Completion(
-            request_id=seq.request_id, prompt_len=len(seq.prompt_ids), output_ids=list(seq.output_ids), text=text,
-            finish_reason=seq.finish_reason, seed=seq.seed, num_rounds=seq.num_rounds,
-            num_draft_tokens=seq.num_draft_tokens, num_accepted=seq.num_accepted,
-            prompt_tokens_reused=seq.num_prefix_reused, response_format=seq.params.response_format,
-            valid=seq.finish_reason in ("eos", "stop") if constrained else None, num_forced=seq.num_forced)
+        self.intake.forget(seq.request_id)
+        return completion(seq, self.decode)
 
     def run(self, on_step: Callable[[StepOutput], None] | None = None) -> list[Completion]:
         """Step until every queued request is finished; returns completions in finishing order."""

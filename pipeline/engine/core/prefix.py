@@ -105,17 +105,12 @@ class PrefixIndex:
         Earlier-admitted only, so waits never form a cycle; the caller sets num_computed to the
         reused count before the slot is written."""
         own = self._slots[seq.slot]
-        prompt, limit = own.prompt, len(seq.prompt_ids) - 1
-        if limit < self.min_tokens:        # no slot can hold, nor soon hold, min_tokens of it to copy
-            self._unplanned.remove(seq)
-            own.before = None
-            return Reuse()
+        limit = len(seq.prompt_ids) - 1
+        # under min_tokens to copy: no slot can hold, nor soon hold, enough of it, and none is looked at
+        candidates = self._candidates(seq.slot, own) if limit >= self.min_tokens else []
         best, best_n, soon = None, 0, 0          # best: (slot, _Held)
-        candidates = [(slot, held) for slot, held in self._slots.items() if held is not own]
-        if own.before is not None:         # the slot's own freed content: reused in place, no copy
-            candidates.insert(0, (seq.slot, own.before))
         for slot, held in candidates:
-            shared = common_prefix(prompt, held.prompt, limit)
+            shared = common_prefix(own.prompt, held.prompt, limit)
             n = min(shared, held.valid)
             if n > best_n:
                 best, best_n = (slot, held), n
@@ -131,6 +126,11 @@ class PrefixIndex:
         self.num_reused += best_n
         slot, held = best
         return Reuse(slot, best_n, held.seq)
+
+    def _candidates(self, slot: int, own: _Held) -> list[tuple[int, _Held]]:
+        """(slot, holder) of every other slot, after `own` slot's freed content (reused in place, no copy)."""
+        others = [(other, held) for other, held in self._slots.items() if held is not own]
+        return ([(slot, own.before)] if own.before is not None else []) + others
 
     def release(self, seq: Sequence) -> None:
         """A finished sequence leaves its slot: what it computed of its prompt stays reusable until the

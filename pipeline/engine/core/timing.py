@@ -3,7 +3,8 @@ once, the rounds in turn, so a stretch where the machine is busy elsewhere slows
 call rather than every timing of one; the median of a call's rounds is its time.
 
 Used by the kernel plans (backends/cpu/calibrate.py) and the adaptive policy's cost curves
-(drafting/adaptive.py). No torch import.
+(drafting/cost.py). `Stopwatch` times the engine's phases: the seconds spent inside its `with` blocks.
+No torch import.
 """
 from __future__ import annotations
 
@@ -22,3 +23,17 @@ def interleaved(calls: list[Callable[[], object]], repeats: int, warmups: int = 
             if rep >= warmups:
                 lap.append(clock() - t0)
     return [sorted(lap)[len(lap) // 2] for lap in laps]
+
+
+class Stopwatch:
+    """Seconds spent inside `with` blocks of it, summed in `s` (one block: its duration)."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s += time.perf_counter() - self._start

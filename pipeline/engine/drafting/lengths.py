@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .adaptive import AdaptiveDraftLength, CostModel
+from .adaptive import AdaptiveDraftLength
+from .cost import CostModel
 from .base import DraftBatch
 
 

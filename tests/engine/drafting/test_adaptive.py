@@ -9,7 +9,8 @@ import torch
 from conftest import dynamic_cache_keys, greedy_reference, make_engine, mixed_prompts, run_requests
 from pipeline.engine import SamplingParams
 from pipeline.engine.backends.cpu import calibrate as cal
-from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, CostModel, StepFit, expected_tokens
+from pipeline.engine.drafting.adaptive import AdaptiveDraftLength, expected_tokens
+from pipeline.engine.drafting.cost import CostModel, StepFit
 from pipeline.engine.drafting.draft_model import draft_lag
 from pipeline.engine.core.request import Sequence
 

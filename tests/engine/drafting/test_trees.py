@@ -6,7 +6,8 @@ import torch
 from pipeline.engine import SamplingParams, SuffixParams, TreeParams
 from pipeline.engine.core.request import Sequence
 from pipeline.engine.core.tree import check, children, depths
-from pipeline.engine.drafting.adaptive import TREE_PRIOR, AdaptiveDraftLength, CostModel
+from pipeline.engine.drafting.adaptive import TREE_PRIOR, AdaptiveDraftLength
+from pipeline.engine.drafting.cost import CostModel
 from pipeline.engine.core.verify import SparseProbs
 from pipeline.engine.drafting.base import DraftBatch
 from pipeline.engine.drafting.ngram import NgramDrafter
