@@ -304,6 +304,22 @@ def target_model():
     return tiny_llama()
 
 
+def _plain_layers(model) -> bool:
+    """Whether a model's decoder layers are still Hugging Face's own (no runner regrouped them in place)."""
+    return all(hasattr(layer.mlp, "gate_proj") and type(layer.mlp.gate_proj) is torch.nn.Linear
+               for layer in model.model.layers)
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_stay_plain(request):
+    """The session's models are the references every later test compares with: a test that hands one to
+    a runner itself (which regroups linears in place) instead of a copy fails here, not in a later test."""
+    yield
+    for name in ("target_model", "draft_model"):
+        if name in request.fixturenames:
+            assert _plain_layers(request.getfixturevalue(name)), f"{name} was changed in place: give runners a copy"
+
+
 @pytest.fixture(scope="session")
 def draft_model(target_model):
     return noisy_copy(target_model, noise=0.05)

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the field and the allowed range, and never disturbs the
 other sequences in the batch."""
+import copy
 import pytest
 
 from conftest import make_engine, mixed_prompts, run_requests, tiny_llama
@@ -43,7 +44,7 @@ def test_mismatched_draft_vocabulary(target_model):
     other = tiny_llama(vocab=300)
     drafter = DraftModelDrafter(build_runner(other, 2, 64, packed_linear=False))
     with pytest.raises(ValueError, match=r"draft vocabulary \(300\) does not match the target's \(512\)"):
-        SpecEngine(build_runner(target_model, 2, 64, packed_linear=False), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
+        SpecEngine(build_runner(copy.deepcopy(target_model), 2, 64, packed_linear=False), drafter, EngineConfig(max_num_seqs=2, max_model_len=64))
 
 
 def test_bad_engine_config():

@@ -2,6 +2,7 @@
 prefix a slot holds instead of computing it. The index on its own (torch-free), then the engine on
 prompts built to share prefixes (a common "system prompt", repeated prompts, a prompt that extends
 another), checked against Hugging Face greedy decoding and against the engine with reuse off."""
+import copy
 import random
 
 import pytest
@@ -190,7 +191,7 @@ def test_draft_copies_only_what_its_store_holds_for_the_donor(draft_model):
     """DraftModelDrafter.reuse_prefix caps the copy at the prompt positions of draft KV the donor
     slot holds: its live holder's (lazy drafting may have computed few), or in place what the last
     holder left; the copied positions are the donor's, bitwise."""
-    drafter = DraftModelDrafter(build_runner(draft_model, 3, 64, packed_linear=False))
+    drafter = DraftModelDrafter(build_runner(copy.deepcopy(draft_model), 3, 64, packed_linear=False))
     params = SamplingParams(max_tokens=4, temperature=0)
     prompt = list(range(3, 33))
     seqs = [Sequence(f"s{i}", list(prompt), params, 0, slot=i) for i in range(3)]

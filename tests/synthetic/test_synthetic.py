@@ -407,7 +407,9 @@ def test_a_run_that_died_is_resumed(local_slot, tiny_model_dir, ray_head, tmp_pa
     # ... the same one resumes it
     assert main(["--config", str(config), "--slot", SLOT, "debug.hang_worker_after_steps=0"]) == 0
     said = capsys.readouterr().out
-    assert f"units 5 ({committed} already committed" in said and f"slot {SLOT} committed by run" in said
+    # the first run's actors may still commit a unit after its driver was killed, until Ray ends them
+    skipped = re.search(r"units 5 \((\d+) already committed", said)
+    assert skipped and committed <= int(skipped.group(1)) <= 5 and f"slot {SLOT} committed by run" in said, said
     run_dir = tmp_path / "out" / f"slot={SLOT}" / f"synthetic-{SLOT}"
     texts = {c["id"]: c["text"] for c in rows_of((run_dir / "completions").glob("*.parquet"))}
     first = {c["id"]: c["text"] for c in rows_of((local_slot[1] / f"slot={SLOT}" / f"synthetic-{SLOT}"

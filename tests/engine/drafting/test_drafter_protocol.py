@@ -3,6 +3,7 @@ alone (no base class) runs through SpecEngine losslessly, receives each sequence
 generator, and sees every commit and release; no engine code writes to a drafter's attributes."""
 from __future__ import annotations
 
+import copy
 import importlib
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class ScriptedDrafter:
 
 
 def test_every_drafter_satisfies_the_protocol(target_model):
-    runner = build_runner(target_model, 2, 64, packed_linear=False)
+    runner = build_runner(copy.deepcopy(target_model), 2, 64, packed_linear=False)
     drafters = [NoDrafter(), NgramDrafter(), DraftModelDrafter(runner),
                 HybridDrafter(NgramDrafter(), DraftModelDrafter(runner)), ScriptedDrafter({}, 8)]
     for drafter in drafters:
@@ -78,7 +79,7 @@ def test_a_protocol_only_drafter_runs_through_the_engine_losslessly(target_model
     script = {rid: c.output_ids for rid, c in reference.items()}
     drafter = ScriptedDrafter(script, target_model.config.vocab_size)
     cfg = EngineConfig(max_num_seqs=3, max_model_len=128, max_prefill_tokens=16)
-    engine = SpecEngine(build_runner(target_model, 3, 128, packed_linear=False), drafter, cfg,
+    engine = SpecEngine(build_runner(copy.deepcopy(target_model), 3, 128, packed_linear=False), drafter, cfg,
                         drafting=DraftingConfig(num_speculative_tokens=3, adaptive=False))
     done, rounds = run_requests(engine, prompts, params, arrive_every=2)
     assert {rid: c.output_ids for rid, c in done.items()} == script
