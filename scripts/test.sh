@@ -18,5 +18,10 @@ case "${SPECPIPE_TEST_CPU:-}" in
                       ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ;;
   *) echo "SPECPIPE_TEST_CPU must be avx2, avx512 or avx512_bf16, got '$SPECPIPE_TEST_CPU'" >&2; exit 2 ;;
 esac
+# inductor's on-disk cache is not keyed by ATEN_CPU_CAPABILITY: code it compiled for this CPU's own
+# instructions, read back under another capability, computes garbage. Each kind gets its own cache.
+if [[ -n "${SPECPIPE_TEST_CPU:-}" ]]; then
+  export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/torchinductor-$(id -u)-$SPECPIPE_TEST_CPU"
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${SPECPIPE_TEST_WORKERS:-3}" --dist worksteal \
     --durations=25 "$@"

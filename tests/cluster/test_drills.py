@@ -313,7 +313,7 @@ def test_signal_mid_run_stops_cleanly_then_resume(sig, tiny_model_dir, tmp_path)
     env.update(HOME=str(home), RAY_AUTH_MODE="token",    # the suite's kernel and model caches, as a used HOME has
                SPECPIPE_KERNEL_CACHE=str(kernel_cache_dir()), SPECPIPE_CACHE=str(cache_root()))
     overrides = job_overrides(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"), "input.rows_per_unit=2",
-                              "sampling.max_tokens=24", "cluster.num_workers=1", "cluster.shutdown_grace_s=5")
+                              "sampling.max_tokens=12", "cluster.num_workers=1", "cluster.shutdown_grace_s=5")
     job = Job(tmp_path, overrides, env=env)
     _wait_for_markers(tmp_path / "out" / "t", 2, job)
     assert _ray_daemons(job.proc.pid), "the job's own Ray daemons were not found: the check below would be empty"

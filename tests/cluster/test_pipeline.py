@@ -56,7 +56,7 @@ def test_speculation_does_not_change_greedy_output(tiny_model_dir, ray_head, tmp
         cfg = job_config(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / drafter),
                          f"cluster.address={ray_head.address}", f"drafting.method={drafter}",
                          f"models.draft={tiny_model_dir}", "drafting.ngram_min=1",
-                         "sampling.max_tokens=24", "drafting.num_speculative_tokens=4")
+                         "sampling.max_tokens=24", "drafting.num_speculative_tokens=4", "cluster.num_workers=1")
         out[drafter] = run_job(cfg)
         tokens[drafter] = {c["id"]: c["token_ids"] for c in read_run(tmp_path / drafter / "t")["completions"]}
     assert tokens["ngram"] == tokens["none"] == tokens["draft"] and len(tokens["none"]) == 10

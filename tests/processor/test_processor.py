@@ -178,13 +178,13 @@ def test_killed_pipeline_rerun_writes_each_id_once(tiny_model_dir, tmp_path):
     Ray it starts, with 1-CPU replicas, SIGKILLed once 3 output files exist, then rerun with the same
     command: the rerun finishes (its checkpoint filter holds a CPU beside the replica's, and the local
     Ray counts it) and every id is in the output exactly once."""
-    rows = prompt_rows(240, "k")
-    for i in range(0, 240, 6):
+    rows = prompt_rows(96, "k")
+    for i in range(0, 96, 6):
         write_parquet(tmp_path / "in" / f"part-{i:03d}.parquet", rows[i:i + 6], row_group_size=6)
     cmd = [sys.executable, str(ROOT / "jobs" / "ray_data_pipeline.py"), "--input", str(tmp_path / "in"),
            "--output", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ckpt"), "--id-column", "id",
            "--text-column", "prompt", "--model", str(tiny_model_dir), "--max-tokens", "16", "--batch-size", "2",
-           "--blocks", "40", "--cpus-per-replica", "1"]
+           "--blocks", "16", "--cpus-per-replica", "1"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
