@@ -43,7 +43,15 @@ POLL_S = 0.1                    # rank 0's look at the store while it waits for 
 
 
 class RankLost(RuntimeError):
-    """A collective of a tensor-parallel replica failed: a rank died or stopped answering."""
+    """A collective of a tensor-parallel replica failed: a rank died or stopped answering. `heard` is
+    true where the heartbeats told (Pulses: a rank silent, or slow past its phase's deadline)."""
+    heard = False
+
+
+def _heard(message: str) -> RankLost:
+    lost = RankLost(message)
+    lost.heard = True
+    return lost
 
 
 def backend_for(device: str) -> str:
@@ -120,7 +128,7 @@ class Pulses:
         if not silent:
             return None
         r = max(silent, key=silent.get)
-        return RankLost(f"tensor-parallel rank {r} of {self.size} stopped answering: no heartbeat for "
+        return _heard(f"tensor-parallel rank {r} of {self.size} stopped answering: no heartbeat for "
                         f"{silent[r]:.0f} s (the bound is {self.timeout_s:g} s) while {phase}")
 
     def check(self, phase: str) -> None:
@@ -139,7 +147,7 @@ class Pulses:
                 return
             self.check(phase)
             if self.clock() - t0 > deadline_s:
-                raise RankLost(f"tensor-parallel rank {missing[0]} of {self.size} still {phase} after "
+                raise _heard(f"tensor-parallel rank {missing[0]} of {self.size} still {phase} after "
                                f"{deadline_s:g} s (it answers: slow, not stopped)")
             time.sleep(POLL_S)
 

@@ -72,8 +72,11 @@ class Peers:
                 self._last = time.monotonic()
 
     def _named(self, e: RankLost, phase: str) -> RankLost:
-        """`e`, led by the rank that stopped beating, where one did (beyond a few beats)."""
-        lost = self.pulses.stopped(phase, past_s=4 * HEARTBEAT_S) if self.pulses is not None else None
+        """`e`, led by the rank that stopped beating, where one did (beyond a few beats) and `e` does not
+        already say so."""
+        if e.heard or self.pulses is None:
+            return e
+        lost = self.pulses.stopped(phase, past_s=4 * HEARTBEAT_S)
         return e if lost is None else RankLost(f"{lost}; {e}")
 
     def runner(self, config: dict, kernels: dict, timeout_s: float, own_bytes: int) -> dict[int, int]:
