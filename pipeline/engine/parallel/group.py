@@ -70,9 +70,14 @@ def free_address(host: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def _client(address: str, timeout_s: float) -> dist.TCPStore:
+def _store(address: str, timeout_s: float, **options) -> dist.TCPStore:
+    """A TCPStore at `address` (host:port): its server where options say is_master, else a client."""
     host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=_seconds(timeout_s))
+    return dist.TCPStore(host, int(port), timeout=_seconds(timeout_s), **options)
+
+
+def _client(address: str, timeout_s: float) -> dist.TCPStore:
+    return _store(address, timeout_s, is_master=False)
 
 
 class Heartbeat:
@@ -154,8 +159,7 @@ class Pulses:
 
 def open_rendezvous(address: str, size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's store server at `address` (host:port): the other ranks join it (RankGroup.join)."""
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), size, True, _seconds(timeout_s), wait_for_workers=False)
+    return _store(address, timeout_s, world_size=size, is_master=True, wait_for_workers=False)
 
 
 class RankGroup:
@@ -174,8 +178,7 @@ class RankGroup:
         """Join the group at `address` as `rank` of `size` (rank 0 passes the store it opened)."""
         backend = backend_for(device)
         if store is None:
-            host, port = address.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), size, rank == 0, _seconds(timeout_s))
+            store = _store(address, timeout_s, world_size=size, is_master=rank == 0)
         prefixed = dist.PrefixStore("specpipe-tp", store)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, size, _seconds(timeout_s))
