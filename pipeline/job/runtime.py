@@ -73,7 +73,7 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
     dtype = resolve_dtype(models.dtype, models.device)
     spec = ModelSpec(models.target, dtype.dtype, models.device, models.trust_remote_code, options(models.target))
     target, tokenizer = load_model(spec) if tp is None or tp.size == 1 else load_model_shard(spec, tp.size, 0)[:2]
-    reject_unsupported(target.config, engine_cfg.max_model_len)
+    reject_unsupported(target.config)
     draft, draft_id, draft_dtype = None, None, None
     if drafting.uses_draft_model:
         draft_dtype = resolve_draft_dtype(models, dtype)
@@ -81,7 +81,7 @@ def build_engine(models: ModelsConfig, drafting: DraftingConfig, engine_cfg: Eng
                           options(models.draft))
         draft, draft_tok = load_model(dspec)
         check_vocab_compatible(target, draft, tokenizer, draft_tok)
-        reject_unsupported(draft.config, engine_cfg.max_model_len)
+        reject_unsupported(draft.config)
         draft_id = model_id(dspec)
     eos = eos_ids(target, tokenizer)
     engine = assemble_engine(target, draft, drafting, engine_cfg, kernels, eos,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import BloomConfig, FalconConfig, LlamaConfig, MambaConfig, MistralConfig, Qwen2Config
 
 from conftest import tiny_llama
 from pipeline.engine.model.hf_config import reject_unsupported
@@ -211,18 +211,16 @@ def test_tokenizer_vocab_mismatch_reports_count_and_example():
     check_vocab_compatible(small_llama(), small_llama(), target, _Tok(target.vocab))
 
 
-def test_active_sliding_window_is_rejected():
-    config = Qwen2Config(use_sliding_window=True, sliding_window=64)
-    with pytest.raises(ValueError, match=r"sliding_window=64.*max_model_len=256"):
-        reject_unsupported(config, max_model_len=256)
-    reject_unsupported(config, max_model_len=64)  # the window never bites
-
-
-def test_inactive_sliding_window_is_accepted():
-    reject_unsupported(Qwen2Config(), max_model_len=32768)  # use_sliding_window=False
-    # flag on, but every layer is below max_window_layers: no layer slides
-    reject_unsupported(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=2),
-                       max_model_len=256)
-    reject_unsupported(LlamaConfig(), max_model_len=1 << 20)
-    with pytest.raises(ValueError, match="MistralConfig"):  # no flag: a set window always applies
-        reject_unsupported(MistralConfig(sliding_window=4096), max_model_len=8192)
+def test_families_outside_the_checked_list_are_refused_by_name():
+    reject_unsupported(LlamaConfig())
+    reject_unsupported(Qwen2Config(use_sliding_window=True, sliding_window=64))   # windows are computed
+    reject_unsupported(MistralConfig(sliding_window=4096))
+    with pytest.raises(ValueError, match=r"'bloom' is not supported: ALiBi"):
+        reject_unsupported(BloomConfig())
+    with pytest.raises(ValueError, match=r"'falcon' with alibi=True is not supported: ALiBi"):
+        reject_unsupported(FalconConfig(alibi=True))
+    reject_unsupported(FalconConfig())
+    with pytest.raises(ValueError, match=r"'llama' with attention_chunk_size=64 is not supported"):
+        reject_unsupported(LlamaConfig(attention_chunk_size=64))
+    with pytest.raises(ValueError, match=r"'mamba' is not among the families the engine is checked against"):
+        reject_unsupported(MambaConfig())

@@ -80,6 +80,17 @@ class StepLayout:
     kernel: Callable | None = None  # a kernel attending each row over its own keys in the whole store
                                     # (the runner's CPU kernel): no padding, no mask, no split
     tree: TreeRows | None = None    # a step with token trees (None: every row a single causal run)
+    window_masks: dict | None = None  # window -> attention_masks with it (`windowed`), made by the forward's
+                                      # first layer of that window; reset by the runner before each forward
+
+    def windowed(self, window: int, num_groups: int, dtype: torch.dtype) -> tuple:
+        """attention_masks with a sliding window: the masks of a layer that attends only to its last
+        `window` positions, made once per forward."""
+        if self.window_masks is None:
+            self.window_masks = {}
+        if window not in self.window_masks:
+            self.window_masks[window] = attention_masks(self, num_groups, dtype, window)
+        return self.window_masks[window]
 
     @property
     def token_write_pos(self) -> torch.Tensor:          # [num_tokens] KV position of each packed token

@@ -70,6 +70,10 @@ class SlotKVCache(Cache):
         slot_t = lay.slots[lay.token_row]                                      # [num_tokens]
         pos_t = lay.token_write_pos                                            # [num_tokens]
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        if key_states.shape[1] != k_buf.shape[1] or key_states.shape[-1] != k_buf.shape[-1]:
+            raise ValueError(f"layer {layer_idx} writes keys of {key_states.shape[1]} heads x {key_states.shape[-1]}, "
+                             f"but its config sizes the store for {k_buf.shape[1]} x {k_buf.shape[-1]}: the "
+                             f"model's attention does not match its config")
         k_buf[slot_t, :, pos_t] = key_states[0].transpose(0, 1).to(k_buf.dtype)   # [num_tokens, kv_heads, dim]
         v_buf[slot_t, :, pos_t] = value_states[0].transpose(0, 1).to(v_buf.dtype)
         if lay.flex is not None or lay.kernel is not None:                 # each row reads its own keys

@@ -37,8 +37,8 @@ from ..kv.layout import attention_masks, make_layout
 from ..kv.store import SlotKVCache
 from ..parallel.shard import install_collectives
 from ..parallel.steps import TensorParallel
-from .attention import ATTENTION_NAME, register_attention
-from .hf_config import active_sliding_window, head_dim, text_config
+from .attention import ATTENTION_NAME, attending, register_attention
+from .hf_config import attention_features, head_dim, kv_heads, reject_unsupported, text_config
 from .plan import BackendPlan, Backends, Kernels, choose_backends, cpu_lacks
 from .slots import (KNEE_SHARE, MEMORY_SHARE, free_memory, knee, measuring_context, probe_limit, probe_rows,
                     resolve_max_num_seqs)
@@ -72,6 +72,7 @@ class ModelRunner:
                  beside: tuple = (), tp: TensorParallel | None = None):
         config = config or EngineConfig()
         kernels = kernels or Kernels.of(config.kernels)
+        reject_unsupported(model.config)        # a family the engine is not checked against: refused, named
         self.tp = tp if tp is not None and tp.size > 1 else None
         # the model's weights as loaded, counted once, here (our kernels may hold them in other layouts from
         # here on); rank -> bytes: this rank's, and on rank 0 of a replica every rank's (gathered below)
@@ -88,7 +89,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
-        self.num_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.num_groups = cfg.num_attention_heads // kv_heads(cfg)
         self.max_model_len = max_model_len = config.max_model_len
         auto = config.max_num_seqs == AUTO
         n, self.slots_reason = resolve_max_num_seqs(config.max_num_seqs, [model, *beside], max_model_len)
@@ -96,6 +97,15 @@ class ModelRunner:
             config = replace(config, max_num_seqs=n)
         self.num_slots = num_slots = config.max_num_seqs
         chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
+        # soft-capping, sinks, a sliding window: the padded path computes them, our CPU kernel (and the
+        # loop over it) and FlexAttention do not, so they step aside (the plan line names the features)
+        self.attention_features = attention_features(model, max_model_len)
+        features = self.attention_features
+        if features and kernels.cpu_attention == "on":
+            raise ValueError(f"cpu_attention=on, but {type(model).__name__}'s attention has {features.describe()}, "
+                             f"which our CPU attention kernel does not compute")
+        if features:
+            chosen = replace(chosen, attention=None, flex=None)
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
         # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
         self.flex, self.cpu_attention = chosen.flex, chosen.attention
@@ -105,7 +115,7 @@ class ModelRunner:
         if self.cpu_attention is not None and kernels.cpu_attention == "auto":
             amx = amx_attention() if amx_attention_unavailable(self.device, self.dtype, head_size) is None else None
             self.attention_plan = plan = calibrate_attention(self.cpu_attention, cfg.num_attention_heads,
-                                                             cfg.num_key_value_heads, head_size, self.dtype, amx=amx)
+                                                             kv_heads(cfg), head_size, self.dtype, amx=amx)
             if plan.long_from is not None:
                 self.cpu_attention = RowAttention(self.cpu_attention, plan.long_from,
                                                   amx if plan.long_kind == "amx" else None)
@@ -113,7 +123,7 @@ class ModelRunner:
         store_slots = StepGraphs.store_rows(num_slots) if chosen.graphs else num_slots
         store_len = StepGraphs.store_positions(max_model_len) if chosen.graphs else max_model_len
         self._store = lambda slots, positions=store_len: SlotKVCache(
-            cfg.num_hidden_layers, slots, cfg.num_key_value_heads, capacity(positions) if self.flex else positions,
+            cfg.num_hidden_layers, slots, kv_heads(cfg), capacity(positions) if self.flex else positions,
             head_size, self.dtype, self.device)
         # auto on CPU: the slots are measured (_fit_slots) on a store of the few positions the measuring
         # steps use, and the store of max_model_len positions is made for the slots kept
@@ -243,7 +253,7 @@ class ModelRunner:
         # With all of the above in place: the forward as one loop over those kernels, RoPE and the KV
         # write in one pass, q/k/v as one linear; the same numbers as the model's forward, without its glue.
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
-                                          self.max_model_len, active_sliding_window(model.config),
+                                          self.attention_features.describe(),
                                           *((self.tp.group.all_reduce, self.tp.group.gather_last) if self.tp else ()))
         # Each decoder layer compiled (its norms, RoPE, residual adds and SiLU product fused): where the
         # modules run the forward (no CPU loop), on CUDA by default
@@ -290,6 +300,9 @@ class ModelRunner:
         attention = (self.attention_plan.describe(how) if self.attention_plan is not None else
                      "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
+        if self.attention_features:
+            attention = (f"padded ({self.attention_features.describe()}: our CPU kernel and FlexAttention "
+                         f"compute none of these)")
         forced = self.kernels.linear_plan
         earlier = next((m.plan for m in self.model.modules() if type(m) is PlannedLinear), None)
         linear = (("torch" if earlier is None else f"planned earlier: {earlier.describe()}") if not self.planned
@@ -417,16 +430,19 @@ class ModelRunner:
         """The model's forward over the slot store for one layout: logits of the kept packed positions
         ([kept, vocab], the model's dtype)."""
         self.cache.layout = layout
+        layout.window_masks = None
         call = lambda: self.model(input_ids=layout.input_ids, position_ids=layout.flat_position_ids,
                                   attention_mask=mask, use_cache=True, logits_to_keep=keep, slot_layout=layout,
                                   **{self.cache_kwarg: self.cache})
         try:
-            out = call()
+            with attending(layout):
+                out = call()
         except Exception as exc:       # compiled layers that fail: the modules from now on, never a wrong result
             if not self.compiled_layers:
                 raise
             self._uncompile(f"{type(exc).__name__}: {exc}")
-            out = call()               # rewrites whatever KV the failed forward wrote, with the same values
+            with attending(layout):
+                out = call()               # rewrites whatever KV the failed forward wrote, with the same values
         finally:
             self.cache.layout = None
         return out.logits[0]

@@ -21,7 +21,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import AUTO
-from .hf_config import head_dim, text_config
+from .hf_config import head_dim, kv_heads, text_config
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def slot_bytes(model, max_model_len: int) -> int:
     """KV bytes one slot of `model` needs: keys and values of every layer at max_model_len positions."""
     cfg = text_config(model.config)
     itemsize = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_model_len * head_dim(cfg) * itemsize
+    return 2 * cfg.num_hidden_layers * kv_heads(cfg) * max_model_len * head_dim(cfg) * itemsize
 
 
 def free_memory(device: torch.device) -> int:

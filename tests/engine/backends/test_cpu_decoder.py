@@ -162,7 +162,7 @@ def test_modes_and_refusals():
     # a sliding window shorter than the context served: the kernels attend to every key
     torch.manual_seed(0)
     windowed = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=32)).eval()
-    with pytest.raises(RuntimeError, match="sliding window 32 < max_model_len 64"):
+    with pytest.raises(RuntimeError, match="MistralForCausalLM's attention has sliding window 32 on 3 of 3 layers"):
         build_runner(copy.deepcopy(windowed), 2, 64, cpu_decoder="on")
     assert build_runner(windowed, 2, 32, cpu_decoder="on").decoder is not None
 
@@ -196,7 +196,7 @@ def test_self_check_catches_a_wrong_rope():
 
 def test_unsupported_names_the_missing_kernels():
     model = _model("llama", torch.float32)
-    why = cpu_decoder.unsupported(model, None, None, 64)
+    why = cpu_decoder.unsupported(model, None, None)
     assert "cpu_attention, cpu_fused is not in use" in why
 
 

@@ -202,7 +202,8 @@ class Calibration:
     def describe(self, how: bool = True) -> str:
         """The plan per family and each kernel's instructions; how: and whether it was measured (in how
         long) or read from the cache."""
-        plans = {f: self.plans[f].describe() for f in FAMILIES if f in self.plans}
+        order = [f for f in FAMILIES if f in self.plans] + sorted(f for f in self.plans if f not in FAMILIES)
+        plans = {f: self.plans[f].describe() for f in order}
         if len(set(plans.values())) == 1:
             text = next(iter(plans.values()))
         else:
@@ -266,7 +267,9 @@ class _FamilyTimer:
         self.total = len(weights)
         sample = _sample(weights)
         self.sample = sample
-        self.x = (torch.randn(most, sample[0].shape[1], generator=gen) * 0.5).to(sample[0].dtype)
+        # one input per width: a family's weights may read different widths (an MoE's experts and its
+        # shared expert, a name planned as one family in two places)
+        self.xs = {w.shape[1]: (torch.randn(most, w.shape[1], generator=gen) * 0.5).to(w.dtype) for w in sample}
         self.fns = {kind: [_runner(kind, w, kernel, amx) for w in sample] for kind in kinds}
 
     def count(self, rows: int) -> int:
@@ -279,8 +282,8 @@ class _FamilyTimer:
         """kind -> ms of one pass of `rows` rows over all the family's weights, the kinds in turn. No
         warm-up round: the median of `repeats` (3) sets aside a first call's one-off costs (oneDNN's
         kernel for a new row count) as it does a disturbed one."""
-        x, count = self.x[:rows], self.count(rows)
-        ms = _interleaved({kind: (lambda fs=self.fns[kind][:count]: [fn(x) for fn in fs]) for kind in kinds},
+        xs, count = [self.xs[w.shape[1]][:rows] for w in self.sample], self.count(rows)
+        ms = _interleaved({kind: (lambda fs=self.fns[kind][:count]: [fn(x) for fn, x in zip(fs, xs)]) for kind in kinds},
                           repeats, warmups=0)
         return {kind: t * self.total / count for kind, t in ms.items()}
 

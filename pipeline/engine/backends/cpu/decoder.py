@@ -28,7 +28,8 @@ own forward through the runner (tests/engine/backends/test_cpu_decoder.py checks
 
 Scope: the families cpu_fused knows (Llama, SmolLM, Qwen2/2.5, Qwen3, Mistral) when the runner has put
 our kernels in all the places above (attention, fused norms, planned linears for q/k/v/o) and the model
-has no sliding window shorter than the context served. Anything else keeps the model's forward;
+computes nothing beyond softmax over every key (no soft-cap, sinks or sliding window shorter than the
+context served: hf_config.AttentionFeatures). Anything else keeps the model's forward;
 `unsupported()` says why. Its switch cpu_decoder (model/plan.py's Kernels, under engine.kernels) = auto | on | off.
 
 This module knows nothing about requests or sampling: it sees the model, the store and a StepLayout.
@@ -134,18 +135,18 @@ class GatedMLP:
 
 
 def unsupported(model: nn.Module, attention: CpuAttention | None, ops: FusedOps | None,
-                max_model_len: int, sliding_window: int | None = None) -> str | None:
+                features: str = "") -> str | None:
     """Why this model, with these kernels in place (None: not in use), cannot take the loop, else None.
-    sliding_window: the window some attention layer of the model applies (the caller reads it from
-    the model's config), or None."""
+    features: what the model's attention computes beyond the kernel's softmax over every key (the
+    runner's hf_config.AttentionFeatures, described), or ""."""
+    if features:
+        return f"{type(model).__name__}'s attention has {features}, which our attention kernel does not compute"
     missing = [name for name, k in (("cpu_attention", attention), ("cpu_fused", ops)) if k is None]
     if missing:
         return f"the loop runs on our kernels, and {', '.join(missing)} is not in use"
     family = family_of(model)
     if family is None:
         return f"{type(model).__name__}: the loop knows {', '.join(p for _, p, _ in FAMILIES)} causal LMs"
-    if sliding_window is not None and sliding_window < max_model_len:
-        return f"sliding window {sliding_window} < max_model_len {max_model_len}: the kernels attend to every key"
     norms = [model.model.norm]
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -246,10 +247,9 @@ class CpuDecoder:
 
 
 def policy(mode: str, model: nn.Module, cache: SlotKVCache, attention: CpuAttention | None,
-           ops: FusedOps | None, max_model_len: int, sliding_window: int | None = None,
-           reduce: Callable | None = None, gather: Callable | None = None) -> CpuDecoder | None:
+           ops: FusedOps | None, features: str = "", reduce: Callable | None = None, gather: Callable | None = None) -> CpuDecoder | None:
     """The loop a runner uses under its switch cpu_decoder = mode: auto (where `unsupported` says nothing),
     on (raises with its reason where not), off (None: the model's forward). reduce, gather: a
     tensor-parallel rank's collectives (CpuDecoder)."""
-    return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, max_model_len, sliding_window),
+    return choose("cpu_decoder", mode, lambda: unsupported(model, attention, ops, features),
                   lambda: CpuDecoder(model, family_of(model), cache, attention, ops, reduce, gather))

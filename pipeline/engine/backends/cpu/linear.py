@@ -487,8 +487,11 @@ FAMILIES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def family(name: str) -> str:
-    """The family a linear of this module path belongs to (its last name; others count as qkv's)."""
-    return FAMILY_OF.get(name.rpartition(".")[2], "qkv")
+    """The family a linear of this module path belongs to: FAMILIES' by the Llama-style names
+    (FAMILY_OF); any other name (Phi's `dense`, GPT-NeoX's `query_key_value`, `fc1`...) is its own
+    family, planned and measured apart."""
+    last = name.rpartition(".")[2]
+    return FAMILY_OF.get(last, last)
 
 
 def family_weights(model: nn.Module) -> dict[str, list[torch.Tensor]]:
