@@ -18,8 +18,28 @@ from pathlib import Path
 # Every Ray cluster the tests start or join uses token authentication with a session token. Set
 # before anything imports ray: Ray reads its auth mode once per process.
 assert "ray" not in sys.modules, "conftest must configure Ray auth before ray is imported"
-_AUTH_DIR = Path(tempfile.mkdtemp(prefix="specpipe-ray-auth-"))
-(_AUTH_DIR / "token").write_text(secrets.token_hex(32))
+
+
+def _auth_dir() -> Path:
+    """The session's token folder: one per test run, shared by its pytest-xdist workers (they share one
+    Ray head, `ray_head`); the first worker to get here writes the token, atomically."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        folder = Path(tempfile.mkdtemp(prefix="specpipe-ray-auth-"))
+    else:
+        folder = Path(tempfile.gettempdir()) / f"specpipe-ray-auth-{run}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+    draft = folder / f"token.{os.getpid()}"
+    draft.write_text(secrets.token_hex(32))
+    try:
+        os.link(draft, folder / "token")          # fails where another worker's token is there already
+    except FileExistsError:
+        pass
+    draft.unlink()
+    return folder
+
+
+_AUTH_DIR = _auth_dir()
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN_PATH"] = str(_AUTH_DIR / "token")
 os.environ.pop("RAY_AUTH_TOKEN", None)
@@ -473,11 +493,68 @@ def proc_members(pgrp: int | None = None, session: int | None = None) -> list[in
     return pids
 
 
+class SharedHead:
+    """A RayHead started by one pytest-xdist worker and joined by the others (the fields tests read);
+    the last worker to leave stops it. An idle head costs ~0.13 of a core (its raylet, GCS and
+    dashboard processes): one per run, not one per worker."""
+
+    def __init__(self, state: dict):
+        self.address, self.dashboard_url, self.ray = state["address"], state["dashboard_url"], state["ray"]
+        self.env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+
+
+def stop_head_group(pid: int, temp_dir: str, grace: float = 10) -> None:
+    """SIGTERM to a `ray start --block` by pid (started by another process), then SIGKILL to what is
+    left of its process group, and its temp dir removed."""
+    import signal
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and pid in _process_group_members(pid):
+        time.sleep(0.2)
+    for member in _process_group_members(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def ray_head():
-    head = RayHead()
-    yield head
-    head.stop()
+def ray_head(tmp_path_factory, worker_id):
+    """One `ray start --head` for the run: in one process, its own; under pytest-xdist, shared by the
+    workers through a state file beside their temp dirs (logical CPUs 4 per worker, so concurrent jobs
+    of different workers are placed as on a head of their own)."""
+    if worker_id == "master":
+        head = RayHead()
+        yield head
+        head.stop()
+        return
+    import json
+
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp().parent
+    state_path, lock = root / "ray_head.json", FileLock(str(root / "ray_head.lock"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    with lock:
+        state = json.loads(state_path.read_text()) if state_path.exists() else None
+        if state is None or state["pid"] not in _process_group_members(state["pid"]):
+            head = RayHead(num_cpus=4 * workers)
+            state = {"address": head.address, "dashboard_url": head.dashboard_url, "ray": head.ray,
+                     "pid": head.proc.pid, "temp_dir": head.temp_dir, "users": 0}
+        state["users"] += 1
+        state_path.write_text(json.dumps(state))
+    yield SharedHead(state)
+    with lock:
+        state = json.loads(state_path.read_text())
+        state["users"] -= 1
+        if state["users"] == 0:
+            stop_head_group(state["pid"], state["temp_dir"])
+            state_path.unlink()
+        else:
+            state_path.write_text(json.dumps(state))
 
 
 __all__ = ["SamplingParams"]

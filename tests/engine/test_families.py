@@ -10,7 +10,8 @@ global layers where the family mixes them), Phi's partial rotary and biased dens
 attention and MLP blocks (GPT-NeoX, GPT-J, Falcon, Cohere), GELU fc1/fc2 MLPs, LayerNorm with bias,
 MoE experts (Mixtral, Qwen2/3-MoE, GraniteMoE, gpt-oss). Every family runs on each forward path of the
 engine that applies on this machine: our kernels where they take the model (`kernels`), torch's modules
-with padded SDPA (`torch`), compiled FlexAttention (`flex`), each plain and with n-gram drafting, against
+with padded SDPA (`torch`), compiled FlexAttention (`flex`), each plain and with n-gram drafting (suffix
+drafting too on the torch path), against
 greedy decoding by HF `generate` with eager attention. A difference must sit on a near-tie of the
 target's top-2 logits (below NEAR_TIE) or the test fails.
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import make_engine, near_tie_mismatches, run_requests, tiers
+from conftest import NEAR_TIE, make_engine, run_requests, tiers
 from pipeline.engine import SamplingParams
 from pipeline.engine.model.hf_config import CHECKED_FAMILIES
 
@@ -86,10 +87,10 @@ REFUSED = {
                      "v_head_dim": 16, "n_group": 1, "topk_group": 1}, "multi-head latent attention"),
     "mamba": ("MambaConfig", "MambaForCausalLM", {}, "not among the families"),
 }
-PATHS = {   # make_engine's switches per forward path
-    "kernels": {},
-    "torch": dict(cpu_attention="off", cpu_linear="off", cpu_decoder="off"),
-    "flex": dict(cpu_attention="off", cpu_decoder="off", compile="on"),
+PATHS = {   # make_engine's switches per forward path, and the drafters run on it
+    "kernels": ({}, ("none", "ngram")),
+    "torch": (dict(cpu_attention="off", cpu_linear="off", cpu_decoder="off"), ("none", "ngram", "suffix")),
+    "flex": (dict(cpu_attention="off", cpu_decoder="off", compile="on"), ("none", "ngram")),
 }
 FAST = {"llama", "gemma2", "gpt_oss", "phi"}
 
@@ -99,6 +100,46 @@ def build(config_class: str, model_class: str, extra: dict):
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(0)
     return getattr(transformers, model_class)(config).eval()
+
+
+def eager(model):
+    """A copy of the model on the family's eager attention: the reference."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    return reference
+
+
+@torch.no_grad()
+def greedy(reference, prompts) -> list[list[int]]:
+    return [reference.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@torch.no_grad()
+def mismatches(reference, prompts, outputs, references) -> int:
+    """How many outputs differ from their reference; each must first differ where the reference's top-2
+    logits are within NEAR_TIE (a tie another order of rounding may flip), or the assertion fails."""
+    count = 0
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, references)):
+        assert len(out) == len(ref), f"prompt {i}: {len(out)} tokens, expected {len(ref)}"
+        if out != ref:
+            count += 1
+            j = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+            top = reference(torch.tensor([prompt + ref[:j]])).logits[0, -1].double().topk(2).values
+            gap = float(top[0] - top[1])
+            assert gap < NEAR_TIE, f"prompt {i}: first difference at token {j}, top-2 gap {gap:.2e} (not a tie)"
+    return count
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compiles():
+    """The flex path compiles the attention for each family's head layout: dynamo's recompile limit (8
+    variants per function in one process) would be spent on them, and later tests of this worker would
+    run FlexAttention uncompiled (exact, but 10-30x slower). Compiled code is dropped before and after
+    (inductor's disk cache keeps the kernels)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
@@ -115,19 +156,15 @@ def test_the_matrix_covers_the_checked_families():
 def test_family_greedy_identical_to_hf_on_every_path(family, prompts):
     model = build(*FAMILIES[family])
     assert model.config.model_type == family
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("eager")
-    with torch.no_grad():
-        references = [reference.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                      for p in prompts]
-    for path, switches in PATHS.items():
-        for kind in ("none", "ngram"):
+    reference = eager(model)
+    references = greedy(reference, prompts)
+    for path, (switches, drafters) in PATHS.items():
+        for kind in drafters:
             engine = make_engine(model, kind, max_num_seqs=4, max_model_len=128, **switches)
             done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
             outputs = [done[str(i)].output_ids for i in range(len(prompts))]
             plan = engine.target.plan.describe()
-            assert near_tie_mismatches(reference, prompts, outputs, references) <= 1, (family, path, kind, plan)
+            assert mismatches(reference, prompts, outputs, references) <= 1, (family, path, kind, plan)
             features = engine.target.attention_features
             if features:          # the plan line names them, and the path that computes them
                 assert f"attention=padded ({features.describe()}" in plan, plan
@@ -153,3 +190,17 @@ def test_families_the_engine_does_not_compute_are_refused_at_load(family):
     model = build(config_class, model_class, extra)
     with pytest.raises(ValueError, match=f"model type '{family}'.*{reason}"):
         make_engine(model, "none", max_num_seqs=2, max_model_len=128)
+
+
+def test_a_draft_model_of_another_family(prompts):
+    """Target and draft of different families over one vocabulary: the target's greedy tokens, drafts
+    proposed and verified (a windowed, soft-capped Gemma-style target; a Qwen3 draft)."""
+    target = build(*FAMILIES["gemma3_text"])
+    draft = build(*FAMILIES["qwen3"])
+    reference = eager(target)
+    references = greedy(reference, prompts)
+    engine = make_engine(target, "draft-greedy", draft, max_num_seqs=4, max_model_len=128)
+    done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    outputs = [done[str(i)].output_ids for i in range(len(prompts))]
+    assert mismatches(reference, prompts, outputs, references) <= 1
+    assert sum(r.draft_len for r in rounds) > 0

@@ -271,13 +271,15 @@ def test_processor_rank_killed_mid_run_every_row_answered_once(tiny_model_dir, r
                                                    "tensor_parallel_size": 2},
                            sampling={"max_tokens": 160, "temperature": 0.0}, batch_size=2)
     killed, errors = [], []
+    job = ray_session.get_runtime_context().get_job_id()
 
     def kill_rank_once():
         deadline = time.time() + 120
         try:
             while time.time() < deadline and not killed:
-                alive = list_actors(address=ray_head.dashboard_url,
-                                    filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
+                alive = list_actors(address=ray_head.dashboard_url,      # this driver's: the head is shared
+                                    filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE"),
+                                             ("job_id", "=", job)])
                 if alive:
                     time.sleep(2)                         # loaded and decoding by then
                     os.kill(alive[0].pid, signal.SIGKILL)

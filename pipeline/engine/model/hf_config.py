@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 def text_config(config):
     """The decoder's own config (a multimodal model's text part; the config itself otherwise)."""
@@ -116,6 +114,7 @@ def attention_features(model, max_model_len: int) -> AttentionFeatures:
     layer_types = getattr(cfg, "layer_types", None)
     windowed = (0 if window is None else
                 sum(t == "sliding_attention" for t in layer_types) if layer_types else cfg.num_hidden_layers)
-    sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    from torch import nn                       # (here: the driver reads configs without importing torch)
+    sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules())
     return AttentionFeatures(getattr(cfg, "attn_logit_softcapping", None), sinks, window, windowed,
                              cfg.num_hidden_layers)
