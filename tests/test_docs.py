@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README, RESULTS = ROOT / "README.md", ROOT / "bench" / "RESULTS.md"
-BUDGET = {README: 350, RESULTS: 450}
+BUDGET = {README: 350, RESULTS: 465}
 # a figure: a decimal (34.2, 1.55x), or a whole number of three or more digits (4549); not in a link or a commit
 FIGURE = re.compile(r"(?<![\w.#/-])(\d+\.\d+|\d{3,})(?![0-9A-Za-wyz_/-]|\.\d)")   # "x": a ratio
 

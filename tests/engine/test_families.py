@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from conftest import NEAR_TIE, make_engine, run_requests, tiers
-from pipeline.engine import SamplingParams
+from pipeline.engine import SamplingParams, TreeParams
 from pipeline.engine.model.hf_config import CHECKED_FAMILIES
 
 VOCAB, MAX_NEW = 512, 14
@@ -166,8 +166,9 @@ def test_family_greedy_identical_to_hf_on_every_path(family, prompts):
             plan = engine.target.plan.describe()
             assert mismatches(reference, prompts, outputs, references) <= 1, (family, path, kind, plan)
             features = engine.target.attention_features
-            if features:          # the plan line names them, and the path that computes them
-                assert f"attention=padded ({features.describe()}" in plan, plan
+            if features:          # the plan line names them
+                aside = "our CPU kernel and FlexAttention do" if features.sinks else "our CPU kernel does"
+                assert f"({features.describe()}; {aside} not compute them)" in plan, plan
 
 
 def test_features_of_the_families_that_have_them():
@@ -177,7 +178,7 @@ def test_features_of_the_families_that_have_them():
     described = {f: e.target.attention_features.describe() for f, e in engines.items()}
     assert described == {"gemma2": "soft-cap 5", "gemma3_text": "sliding window 8 on 2 of 3 layers",
                          "gpt_oss": "sinks, sliding window 8 on 1 of 2 layers", "llama": ""}
-    assert "attention=padded" not in engines["llama"].target.plan.describe()
+    assert "does not compute" not in engines["llama"].target.plan.describe()
     # a window at or past max_model_len never bites: the family runs on our kernels
     assert not make_engine(models["gemma3_text"], "none", max_num_seqs=2, max_model_len=8).target.attention_features
     with pytest.raises(ValueError, match="cpu_attention=on, but Gemma2ForCausalLM's attention has soft-cap 5"):
@@ -204,3 +205,19 @@ def test_a_draft_model_of_another_family(prompts):
     outputs = [done[str(i)].output_ids for i in range(len(prompts))]
     assert mismatches(reference, prompts, outputs, references) <= 1
     assert sum(r.draft_len for r in rounds) > 0
+
+
+@pytest.mark.parametrize("family", tiers(["gemma2", "gemma3_text", "gpt_oss"], {"gpt_oss"}))
+def test_token_trees_over_soft_caps_sinks_and_windows(family, prompts):
+    """Tree steps (each input seeing its ancestors only, at RoPE position start + depth) on the padded
+    path and FlexAttention, with the family's features: the target's greedy tokens."""
+    model = build(*FAMILIES[family])
+    reference = eager(model)
+    references = greedy(reference, prompts)
+    for path in ("torch", "flex"):
+        engine = make_engine(model, "suffix", max_num_seqs=4, max_model_len=128,
+                             tree=TreeParams(max_tokens=8, max_branches=3), **PATHS[path][0])
+        done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+        outputs = [done[str(i)].output_ids for i in range(len(prompts))]
+        assert mismatches(reference, prompts, outputs, references) <= 1, (family, path)
+        assert any(r.paths > 1 for r in rounds), "no step verified a tree"

@@ -113,6 +113,42 @@ def _attend_tree(query, key, value, partial_num, partial_idx, full_num, full_idx
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+def _attend_features(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, scale: torch.Tensor,
+                     positions: torch.Tensor, softcap: torch.Tensor | None, window: torch.Tensor | None,
+                     slot_sees: torch.Tensor | None):
+    """_attend (slot_sees: _attend_tree) with what some families' attention adds (hf_config's
+    AttentionFeatures): softcap (0-d) maps each score s to softcap * tanh(s / softcap); window (0-d)
+    keeps the keys within `window` positions of the query's RoPE position (positions [num_slots *
+    max_q]: of query q of slot b at b * max_q + q), every block then evaluated per element. Sinks are
+    not here: they need the softmax's logsumexp, which inductor's CPU FlexAttention does not return."""
+    width = query.shape[2]
+
+    def visible(b, h, q, kv):
+        seen = kv <= slot_start[b] + q
+        if slot_sees is not None:
+            rel = kv - slot_start[b]
+            named = slot_sees[(b * width + q) * width + rel.clamp(0, width - 1)]
+            seen = seen & ((rel < 0) | (rel >= width) | named)
+        if window is not None:
+            seen = seen & (kv > positions[b * width + q] - window)
+        return seen
+
+    def capped(score, b, h, q, kv):
+        return softcap * torch.tanh(score / softcap)
+    if window is not None:         # every block partial (none full): a window's first keys leave it
+        partial_num, partial_idx, full_num, full_idx = partial_num + full_num, full_idx, None, None
+    mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
+                                    mask_mod=visible, seq_lengths=(query.shape[2], key.shape[2]),
+                                    compute_q_blocks=False)
+    return flex_attention(query * scale, key, value, score_mod=capped if softcap is not None else None,
+                          block_mask=mask, scale=1.0, enable_gqa=query.shape[1] != key.shape[1])
+
+
+@lru_cache(maxsize=None)
+def compiled_attend_features():
+    return torch.compile(_attend_features, dynamic=True)
+
+
 @lru_cache(maxsize=None)
 def compiled_attend_tree():
     return torch.compile(_attend_tree, dynamic=True)
@@ -149,20 +185,33 @@ def _scale_tensor(scale: float, dtype: torch.dtype, device: torch.device) -> tor
 
 def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor,
                         token_slot: torch.Tensor, token_q: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                        max_q: int, scale: float | None, token_bits: torch.Tensor | None = None) -> torch.Tensor:
+                        max_q: int, scale: float | None, token_bits: torch.Tensor | None = None,
+                        features: tuple | None = None) -> torch.Tensor:
     """Attention for packed queries [1, heads, num_tokens, dim] (token t is row token_q[t] of slot
     token_slot[t]) over the whole slot store; token_bits [num_tokens]: a tree step's visibility bits
-    (tables built with tree=True). Returns the packed output [1, num_tokens, heads, dim]."""
+    (tables built with tree=True). features: (softcap, window, RoPE positions [num_tokens]) where the
+    model's attention has either (_attend_features). Returns the packed output [1, num_tokens, heads, dim]."""
     _, num_heads, _, head_dim = query.shape
     num_slots = key_store.shape[0]
     rows = query.new_zeros(num_slots, max_q, num_heads, head_dim)
     rows[token_slot, token_q] = query[0].transpose(0, 1)
     scale = _scale_tensor(head_dim ** -0.5 if scale is None else scale, query.dtype, query.device)
-    if token_bits is None:
-        out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
-    else:
+    sees = None
+    if token_bits is not None:
         inputs = torch.arange(max_q, device=query.device)
         sees = torch.ones(num_slots, max_q, max_q, dtype=torch.bool, device=query.device)   # causal rows: all
         sees[token_slot, token_q] = ((token_bits.unsqueeze(1) >> inputs.clamp(max=62)) & 1 == 1) | (inputs > 62)
-        out = compiled_attend_tree()(rows.transpose(1, 2), key_store, value_store, *tables, sees.view(-1), scale)
+        sees = sees.view(-1)
+    if features is not None:
+        softcap, window, token_pos = features
+        positions = torch.zeros(num_slots * max_q, dtype=torch.long, device=query.device)
+        positions[token_slot * max_q + token_q] = token_pos
+        out = compiled_attend_features()(
+            rows.transpose(1, 2), key_store, value_store, *tables, scale, positions,
+            None if softcap is None else _scale_tensor(float(softcap), torch.float32, query.device),
+            None if window is None else _scale_tensor(float(window), torch.long, query.device), sees)
+    elif sees is None:
+        out = compiled_attend()(rows.transpose(1, 2), key_store, value_store, *tables, scale)
+    else:
+        out = compiled_attend_tree()(rows.transpose(1, 2), key_store, value_store, *tables, sees, scale)
     return out.transpose(1, 2)[token_slot, token_q].unsqueeze(0)

@@ -44,7 +44,8 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     second in layout.rest_mask). Returns the packed output [1, num_tokens, heads, head_dim].
     The features some families pass (hf_config.AttentionFeatures): `softcap`, `s_aux` (sinks, one
     logit per head) and `sliding_window` (this layer's window; None on a global layer) are computed
-    on the padded path; a runner whose model has any takes no other.
+    on the padded path, soft-caps and windows by FlexAttention too; a runner whose model has any does
+    not take our kernel, one with sinks not FlexAttention either.
     Calls outside a runner's forward (e.g. HF `generate` on the same model) fall through to SDPA."""
     lay = kwargs.get("slot_layout") or _LAYOUT.get()
     if lay is None:
@@ -52,10 +53,11 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
                                       scaling=scaling, dropout=dropout, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    if (window is not None or softcap is not None or sinks is not None) and (lay.kernel is not None or lay.flex is not None):
-        raise RuntimeError(f"{type(module).__name__} computes soft-capping, sinks or a sliding window, which the "
-                           f"{'CPU kernel' if lay.kernel is not None else 'FlexAttention path'} does not: the "
-                           f"runner takes the padded path for such models (hf_config.attention_features)")
+    featured = window is not None or softcap is not None or sinks is not None
+    if featured and (lay.kernel is not None or (lay.flex is not None and sinks is not None)):
+        raise RuntimeError(f"{type(module).__name__} computes soft-capping, sinks or a sliding window, which "
+                           f"{'our CPU kernel' if lay.kernel is not None else 'FlexAttention'} does not here: the "
+                           f"runner keeps that path for models without them (hf_config.attention_features)")
     batch, max_q = lay.is_valid.shape
     if lay.kernel is not None:
         out = lay.kernel(query[0].transpose(0, 1), key, value, lay.row_table, scaling,
@@ -63,7 +65,8 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return out.unsqueeze(0), None                                          # [1, num_tokens, heads, dim]
     if lay.flex is not None:
         return slot_flex_attention(query, key, value, lay.token_slot, lay.token_q, lay.flex, max_q, scaling,
-                                   lay.tree.token_bits if lay.tree is not None else None), None
+                                   lay.tree.token_bits if lay.tree is not None else None,
+                                   (softcap, window, lay.flat_position_ids[0]) if featured else None), None
     masks = (attention_mask, lay.rest_mask)
     if window is not None and window < lay.kv_len:
         masks = lay.windowed(window, query.shape[1] // key.shape[1], attention_mask.dtype)

@@ -86,8 +86,9 @@ def reject_unsupported(config) -> None:
 @dataclass(frozen=True)
 class AttentionFeatures:
     """What a model's attention computes beyond softmax(q k^T * scale + causal mask) v, as the engine
-    serves it: the padded path (model/attention.py) computes each; our CPU kernel, the CPU decoder loop
-    and FlexAttention compute none, so a model with any runs on the padded path."""
+    serves it: the padded path (model/attention.py) computes each, FlexAttention (backends/flex.py)
+    each but sinks; our CPU kernel and the CPU decoder loop none: a model takes the paths that compute
+    all of its features."""
     softcap: float | None = None     # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     sinks: bool = False              # a learned logit per head in the softmax's sum, attending to nothing (gpt-oss)
     window: int | None = None        # sliding window shorter than max_model_len, on `windowed` of `layers`

@@ -97,15 +97,16 @@ class ModelRunner:
             config = replace(config, max_num_seqs=n)
         self.num_slots = num_slots = config.max_num_seqs
         chosen = choose_backends(config, kernels, self.device, self.dtype, head_size)
-        # soft-capping, sinks, a sliding window: the padded path computes them, our CPU kernel (and the
-        # loop over it) and FlexAttention do not, so they step aside (the plan line names the features)
+        # soft-capping, sinks, a sliding window: the padded path computes them, FlexAttention all but sinks
+        # (they need its logsumexp, which inductor's CPU kernel does not return), our CPU kernel (and the loop
+        # over it) none: those step aside (the plan line names the features)
         self.attention_features = attention_features(model, max_model_len)
         features = self.attention_features
         if features and kernels.cpu_attention == "on":
             raise ValueError(f"cpu_attention=on, but {type(model).__name__}'s attention has {features.describe()}, "
                              f"which our CPU attention kernel does not compute")
         if features:
-            chosen = replace(chosen, attention=None, flex=None)
+            chosen = replace(chosen, attention=None, flex=None if features.sinks else chosen.flex)
         # flex: attention per row over its own key blocks, always or on steps where that is cheaper than
         # padded SDPA, which is every other step's kernel; cpu_attention: our C kernel (None: not used)
         self.flex, self.cpu_attention = chosen.flex, chosen.attention
@@ -301,8 +302,9 @@ class ModelRunner:
                      "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
         if self.attention_features:
-            attention = (f"padded ({self.attention_features.describe()}: our CPU kernel and FlexAttention "
-                         f"compute none of these)")
+            aside = "our CPU kernel" + (" and FlexAttention" if self.attention_features.sinks else "")
+            attention += f" ({self.attention_features.describe()}; {aside} do not compute them)"
+            attention = attention.replace("kernel do not", "kernel does not")
         forced = self.kernels.linear_plan
         earlier = next((m.plan for m in self.model.modules() if type(m) is PlannedLinear), None)
         linear = (("torch" if earlier is None else f"planned earlier: {earlier.describe()}") if not self.planned
