@@ -179,6 +179,10 @@ def test_features_of_the_families_that_have_them():
     assert described == {"gemma2": "soft-cap 5", "gemma3_text": "sliding window 8 on 2 of 3 layers",
                          "gpt_oss": "sinks, sliding window 8 on 1 of 2 layers", "llama": ""}
     assert "does not compute" not in engines["llama"].target.plan.describe()
+    # why the model's modules run the forward, where our loop does not take it
+    assert "modules_why=Gemma2ForCausalLM's attention has soft-cap 5" in engines["gemma2"].target.plan.describe()
+    phi = make_engine(build(*FAMILIES["phi"]), "none", max_num_seqs=2, max_model_len=128).target.plan.describe()
+    assert "modules_why=PhiForCausalLM: the loop knows" in phi and "dense: " in phi, phi
     # a window at or past max_model_len never bites: the family runs on our kernels
     assert not make_engine(models["gemma3_text"], "none", max_num_seqs=2, max_model_len=8).target.attention_features
     with pytest.raises(ValueError, match="cpu_attention=on, but Gemma2ForCausalLM's attention has soft-cap 5"):

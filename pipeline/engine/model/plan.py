@@ -128,6 +128,8 @@ class BackendPlan:
     layers: str = "modules"   # compiled | modules (the decoder layers, backends/compiled.py)
     cpu_lacks: str = ""       # our kernels for this dtype whose instructions the CPU has not, with the
                               # missing flags (none compiled, so none tried); empty: none missing
+    modules_why: str = ""     # on CPU, why the model's own modules run the forward rather than our loop
+                              # (cpu_decoder auto): the family or a layer the loop does not compute
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.__dict__.items() if v)

@@ -22,6 +22,7 @@ from ..backends.cpu.attention import amx_unavailable as amx_attention_unavailabl
 from ..backends.cpu.calibrate import (Calibration, MlpPlan, cached_measurement, calibrate, calibrate_attention,
                                       calibrate_mlp, measuring_alone)
 from ..backends.cpu.decoder import policy as cpu_decoder_policy
+from ..backends.cpu.decoder import unsupported as cpu_decoder_unsupported
 from ..backends.cpu.fused import fuse, silu_mlps
 from ..backends.cpu.linear import (AMX, ONEDNN, PANEL_KIND, TORCH, LinearPlan, PlannedLinear, amx_kernel,
                                    amx_unavailable, can_pack, family_weights, planned_linears)
@@ -198,7 +199,7 @@ class ModelRunner:
         shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim", "vocab_size")}
-        plan = dict(self._plan(self._chosen, how=False).__dict__)
+        plan = {k: v for k, v in self._plan(self._chosen, how=False).__dict__.items() if k != "modules_why"}
         keys = [p.key for p in (self.calibration, self.attention_plan, self.mlp_plan) if p is not None]
         return {"model": shape, "dtype": str(self.dtype), "device": str(self.device), "plan": plan, "measured": keys}
 
@@ -256,6 +257,10 @@ class ModelRunner:
         self.decoder = cpu_decoder_policy(kernels.cpu_decoder, model, self.cache, self.cpu_attention, chosen.fused,
                                           self.attention_features.describe(),
                                           *((self.tp.group.all_reduce, self.tp.group.gather_last) if self.tp else ()))
+        self.modules_why = ""
+        if self.decoder is None and kernels.cpu_decoder == "auto" and self.device.type == "cpu":
+            self.modules_why = cpu_decoder_unsupported(model, self.cpu_attention, chosen.fused,
+                                                       self.attention_features.describe()) or ""
         # Each decoder layer compiled (its norms, RoPE, residual adds and SiLU product fused): where the
         # modules run the forward (no CPU loop), on CUDA by default
         self.compiled_layers = compile_layers(model) if chosen.compiled_layers and self.decoder is None else 0
@@ -316,7 +321,8 @@ class ModelRunner:
                else "merged gate/up + silu_mul" if self.fused_mlps else "modules")
         return BackendPlan(attention, linear, "fused" if self.fused_norms else "modules", mlp,
                            "cpu-loop" if self.decoder is not None else "modules", graphs,
-                           "compiled" if self.compiled_layers else "modules", cpu_lacks(self.device, self.dtype))
+                           "compiled" if self.compiled_layers else "modules", cpu_lacks(self.device, self.dtype),
+                           self.modules_why)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
