@@ -402,7 +402,9 @@ class RayHead:
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         bin_dir = os.path.dirname(sys.executable)
-        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", **(env or {})}
+        # metrics reported every second (Ray: 10 s): a job's end waits one report interval for them
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+                    "RAY_metrics_report_interval_ms": "1000", **(env or {})}
         self.ray = os.path.join(bin_dir, "ray")
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")     # short: Ray's socket paths live here
         cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port",

@@ -241,6 +241,8 @@ def _dispatch(cfg: JobConfig, todo: list[Unit], out: RunOutput, lease, stop: Sto
         stats = pool.poll_stats(timeout=5.0)
         if cfg.run.progress:
             _progress(bar, stats, d.committed_rows, t0, len(pool.ready))
+        if cfg.run.metrics:
+            pool.export_metrics()        # the counters of the last commits exported before the actors end
     except LoadFailed as e:
         raise JobFailed(str(e)) from None
     finally:

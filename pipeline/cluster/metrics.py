@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 NAMESPACE = "specpipe"
+EXPORT_WAIT_MAX_S = 15.0    # the longest a run's end waits for its workers' last metrics report (export_metrics)
 TAG_KEYS = ("worker", "run_id")
 COUNTERS = {   # name -> (description, extra tag key or None)
     "spec_decode_num_drafts": ("Rounds with a non-empty draft.", None),

@@ -40,6 +40,7 @@ from ..engine.model.slots import most_max_num_seqs
 from ..io.reader import Unit
 from ..job.config import JobConfig
 from .faults import FaultPlan
+from .metrics import EXPORT_WAIT_MAX_S
 from .rank import ReplicaRanks
 from .worker import GenerationWorker, WorkerBroken
 
@@ -318,6 +319,14 @@ class WorkerPool:
         progress = (stats.get("steps"), stats.get("units"), stats.get("rows"))
         if progress != w.progress:
             w.progress, w.progress_at = progress, self.clock()
+
+    def export_metrics(self) -> None:
+        """A run that ended: every ready worker's last metrics reported before it is ended (at once, so a
+        run's end waits one report interval, not one per worker; a worker that does not answer is ended
+        all the same)."""
+        refs = [w.actor.export_metrics.remote() for w in self.ready]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=EXPORT_WAIT_MAX_S + 5)
 
     def kill_all(self) -> None:
         for w in self.live:

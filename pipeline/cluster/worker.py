@@ -27,7 +27,7 @@ from .commit import UnitCommitter
 from .engine_loop import EngineLoop, WorkerBroken
 from .faults import FaultPlan
 from .feeding import RowFeeder
-from .metrics import WorkerMetrics
+from .metrics import EXPORT_WAIT_MAX_S, WorkerMetrics
 from .rank import Rendezvous, ReplicaRanks
 from .records import Recorder
 
@@ -88,6 +88,19 @@ class GenerationWorker:
 
     def stats(self) -> dict:
         return {**self._stats, "worker": self.name}
+
+    def export_metrics(self, most_s: float = EXPORT_WAIT_MAX_S) -> float:
+        """At a run's end, before the driver ends this actor: the metrics recorded last (a commit flushes
+        them into Ray's metric objects) reach the node's exporter, which Ray's core worker reports to
+        once per metrics report interval (RAY_metrics_report_interval_ms, 10 s unless set): waits one
+        interval (at most `most_s`). Returns the seconds waited (0: metrics off)."""
+        if not self._metrics.enabled:
+            return 0.0
+        self._metrics.flush()
+        import ray._raylet
+        wait = min(ray._raylet.Config.metrics_report_interval_ms() / 1000 + 0.25, most_s)
+        time.sleep(wait)
+        return wait
 
     # ---- loading --------------------------------------------------------------------------------
     @property
