@@ -307,9 +307,8 @@ class ModelRunner:
                      "cpu-kernel" if self.cpu_attention is not None else
                      {"always": "flex", "cheaper": "flex-where-cheaper"}.get(self.flex, "sdpa"))
         if self.attention_features:
-            aside = "our CPU kernel" + (" and FlexAttention" if self.attention_features.sinks else "")
-            attention += f" ({self.attention_features.describe()}; {aside} do not compute them)"
-            attention = attention.replace("kernel do not", "kernel does not")
+            aside = "our CPU kernel and FlexAttention do" if self.attention_features.sinks else "our CPU kernel does"
+            attention += f" ({self.attention_features.describe()}; {aside} not compute them)"
         forced = self.kernels.linear_plan
         earlier = next((m.plan for m in self.model.modules() if type(m) is PlannedLinear), None)
         linear = (("torch" if earlier is None else f"planned earlier: {earlier.describe()}") if not self.planned
