@@ -113,8 +113,9 @@ def test_a_slow_rank_that_answers_is_named_slow_at_its_phase_deadline(target_dir
     replica = Replica(target_dir, 2, timeout_s=1.0, startup_s=15.0, drill=FaultPlan(rank_build_delay_s=60))
     try:
         t0 = time.monotonic()
-        with pytest.raises(RankLost, match=r"rank 1 of 2 still building its runner .* after 15 s \(it answers: slow, "
-                                           r"not stopped\)"):
+        # a busy machine may keep the rank loading past the bound: slow there too, still answering
+        with pytest.raises(RankLost, match=r"rank 1 of 2 still (building its runner|loading its part of the target)"
+                                           r" .*after 15 s \(it answers: slow, not stopped\)"):
             _engine(replica, target_model)
         assert time.monotonic() - t0 >= 15
     finally:
