@@ -110,13 +110,16 @@ def test_a_rank_stopped_while_rank_0_is_idle_fails_the_next_step_at_once(target_
 def test_a_slow_rank_that_answers_is_named_slow_at_its_phase_deadline(target_dir, target_model):
     """A rank whose runner build outlasts the startup bound but keeps beating is not taken for a stopped
     one (it outlasts the collective timeout many times over); the startup bound names it slow."""
-    replica = Replica(target_dir, 2, timeout_s=1.0, startup_s=15.0, drill=FaultPlan(rank_build_delay_s=60))
+    replica = None
     try:
         t0 = time.monotonic()
-        # a busy machine may keep the rank loading past the bound: slow there too, still answering
+        # a busy machine may keep the rank loading past the bound (then the replica's opening raises): slow
+        # there too, still answering
         with pytest.raises(RankLost, match=r"rank 1 of 2 still (building its runner|loading its part of the target)"
                                            r" .*after 15 s \(it answers: slow, not stopped\)"):
+            replica = Replica(target_dir, 2, timeout_s=1.0, startup_s=15.0, drill=FaultPlan(rank_build_delay_s=60))
             _engine(replica, target_model)
         assert time.monotonic() - t0 >= 15
     finally:
-        replica.kill()
+        if replica is not None:
+            replica.kill()
