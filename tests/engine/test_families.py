@@ -221,3 +221,21 @@ def test_token_trees_over_soft_caps_sinks_and_windows(family, prompts):
         outputs = [done[str(i)].output_ids for i in range(len(prompts))]
         assert mismatches(reference, prompts, outputs, references) <= 1, (family, path)
         assert any(r.paths > 1 for r in rounds), "no step verified a tree"
+
+
+def test_windows_at_long_context_on_flex_attention():
+    """Keys over several FlexAttention blocks, in a windowed family (Gemma 3's local layers between global
+    ones): the blocks every window has left are skipped, chains and token trees alike, and the tokens are
+    the target's greedy ones."""
+    model = build(*FAMILIES["gemma3_text"])
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (290, 331)]
+    reference = eager(model)
+    references = greedy(reference, prompts)
+    for tree in (None, TreeParams(max_tokens=8, max_branches=3)):
+        engine = make_engine(model, "suffix", max_num_seqs=2, max_model_len=512, **({"tree": tree} if tree else {}),
+                             **PATHS["flex"][0])
+        done, rounds = run_requests(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+        outputs = [done[str(i)].output_ids for i in range(len(prompts))]
+        assert mismatches(reference, prompts, outputs, references) <= 0, tree
+        assert engine.target.flex is not None and sum(r.draft_len for r in rounds) > 0

@@ -82,6 +82,22 @@ def block_tables(slots: torch.Tensor, starts: torch.Tensor, num_new: torch.Tenso
     return as_table(upto - full), as_table(partial_idx), as_table(full), as_table(full_idx), slot_start
 
 
+def window_blocks(partial_num: torch.Tensor, full_num: torch.Tensor, slot_start: torch.Tensor, window: torch.Tensor,
+                  width: int, num_kv_blocks: int, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_tables' blocks for a layer with a sliding window: (partial counts, partial indices), every
+    block partial, the blocks wholly before every window of a query block skipped. A query at RoPE
+    position p sees keys past p - window; the query block's lowest position is its slot's start plus its
+    first row (a token tree's inputs sit at start + depth: the start itself), so key blocks before
+    (lowest - window + 1) // BLOCK are read by none of its queries. At long context a windowed layer
+    reads about window / BLOCK + 2 blocks per query block, not every block from 0."""
+    upto = partial_num + full_num                                              # blocks 0..upto-1 hold its keys
+    q0 = torch.arange(0, width, BLOCK, device=slot_start.device).view(1, 1, -1)
+    lowest = slot_start.view(-1, 1, 1) + (0 if tree else q0)
+    first = torch.minimum(((lowest - window + 1).clamp(min=0) // BLOCK).to(upto.dtype), upto)
+    kv = torch.arange(num_kv_blocks, device=slot_start.device)
+    return upto - first, (first.unsqueeze(-1) + kv).clamp(max=num_kv_blocks - 1).to(upto.dtype)
+
+
 def _attend(query, key, value, partial_num, partial_idx, full_num, full_idx, slot_start, scale: torch.Tensor):
     """query [num_slots, heads, max_q, dim] (row q of slot b at position slot_start[b] + q); key/value
     the slot store [num_slots, kv_heads, capacity, dim]; scale a 0-d tensor (a Python float would be
@@ -119,7 +135,8 @@ def _attend_features(query, key, value, partial_num, partial_idx, full_num, full
     """_attend (slot_sees: _attend_tree) with what some families' attention adds (hf_config's
     AttentionFeatures): softcap (0-d) maps each score s to softcap * tanh(s / softcap); window (0-d)
     keeps the keys within `window` positions of the query's RoPE position (positions [num_slots *
-    max_q]: of query q of slot b at b * max_q + q), every block then evaluated per element. Sinks are
+    max_q]: of query q of slot b at b * max_q + q), every block it reads then evaluated per element and
+    the blocks before every window skipped (window_blocks). Sinks are
     not here: they need the softmax's logsumexp, which inductor's CPU FlexAttention does not return."""
     width = query.shape[2]
 
@@ -135,8 +152,10 @@ def _attend_features(query, key, value, partial_num, partial_idx, full_num, full
 
     def capped(score, b, h, q, kv):
         return softcap * torch.tanh(score / softcap)
-    if window is not None:         # every block partial (none full): a window's first keys leave it
-        partial_num, partial_idx, full_num, full_idx = partial_num + full_num, full_idx, None, None
+    if window is not None:         # every block partial (none full), from the first one in any query's window
+        partial_num, partial_idx = window_blocks(partial_num, full_num, slot_start, window, width,
+                                                 full_idx.shape[-1], tree=slot_sees is not None)
+        full_num = full_idx = None
     mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
                                     mask_mod=visible, seq_lengths=(query.shape[2], key.shape[2]),
                                     compute_q_blocks=False)
@@ -206,8 +225,10 @@ def slot_flex_attention(query: torch.Tensor, key_store: torch.Tensor, value_stor
         softcap, window, token_pos = features
         positions = torch.zeros(num_slots * max_q, dtype=torch.long, device=query.device)
         positions[token_slot * max_q + token_q] = token_pos
+        # contiguous: inductor's CPU template fails to compile (CppCompileError, torch 2.13) a mask that reads
+        # `positions` by query row over strided queries once the keys span more than one block
         out = compiled_attend_features()(
-            rows.transpose(1, 2), key_store, value_store, *tables, scale, positions,
+            rows.transpose(1, 2).contiguous(), key_store, value_store, *tables, scale, positions,
             None if softcap is None else _scale_tensor(float(softcap), torch.float32, query.device),
             None if window is None else _scale_tensor(float(window), torch.long, query.device), sees)
     elif sees is None:

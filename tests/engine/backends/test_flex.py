@@ -139,3 +139,56 @@ def test_many_head_sizes_in_one_process():
             v = values[int(slots[b]), :, :end].repeat_interleave(2, 0)
             want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=scale)[:, 0]
             torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_q,tree", [(1, False), (5, False), (130, False), (5, True)])
+def test_window_blocks_read_every_key_in_a_window_and_skip_the_rest(max_q, tree):
+    """A windowed layer's blocks: every block holding a key some query's window sees is read, and at long
+    context the blocks wholly before every window are not (a query block reads at most the blocks its
+    windows span, plus one)."""
+    gen = torch.Generator().manual_seed(20 + max_q)
+    num_slots, cap, window = 9, 6 * BLOCK, 40
+    slots = torch.tensor([7, 2, 4, 0, 5])
+    num_new = torch.randint(1, max_q + 1, (5,), generator=gen)
+    starts = torch.tensor([cap - max_q, 3, 2 * BLOCK + 17, BLOCK - 1, 4 * BLOCK])
+    tables = block_tables(slots, starts, num_new, num_slots, max_q, cap // BLOCK, tree=tree)
+    partial_num, partial_idx = flex_mod.window_blocks(tables[0], tables[2], tables[4], torch.tensor(window), max_q,
+                                                      cap // BLOCK, tree=tree)
+    slot_new = torch.zeros(num_slots, dtype=torch.long).index_copy_(0, slots, num_new)
+    q = torch.arange(max_q).view(1, -1, 1)
+    keys = torch.arange(cap).view(1, 1, -1)
+    # a tree's inputs may sit at any depth from the start: the window of the shallowest bounds them
+    lowest = tables[4].view(-1, 1, 1) + (torch.zeros_like(q) if tree else q)
+    allowed = dense_allowed(tables[4], slot_new, max_q, cap) & (keys > lowest - window)
+    skipped = 0
+    for s in range(num_slots):
+        for qb in range(partial_num.shape[2]):
+            rows = allowed[s, qb * BLOCK:(qb + 1) * BLOCK].reshape(-1, cap // BLOCK, BLOCK)
+            some = {b for b in range(cap // BLOCK) if rows[:, b].any()}
+            listed = set(partial_idx[s, 0, qb, :int(partial_num[s, 0, qb])].tolist())
+            assert some <= listed, "a key block some window sees is never read"
+            assert len(listed) <= len(some) + 1
+            skipped += int(tables[0][s, 0, qb] + tables[2][s, 0, qb]) - len(listed)
+    assert skipped > 0, "no block was skipped: the window never bit"
+
+
+def test_windowed_kernel_matches_masked_sdpa_at_long_context():
+    """A sliding window over keys several blocks long, skipped blocks and all, against SDPA over each
+    query's window."""
+    gen = torch.Generator().manual_seed(31)
+    num_slots, kv_heads, heads, dim, cap, window, max_q = 4, 2, 4, 16, capacity(700), 50, 3
+    keys = torch.randn(num_slots, kv_heads, cap, dim, generator=gen)
+    values = torch.randn(num_slots, kv_heads, cap, dim, generator=gen)
+    slots, num_new, starts = torch.tensor([3, 0]), torch.tensor([3, 1]), torch.tensor([690, 260])
+    token_row, token_q = (torch.arange(max_q).unsqueeze(0) < num_new.unsqueeze(1)).nonzero(as_tuple=True)
+    query = torch.randn(1, heads, len(token_row), dim, generator=gen)
+    tables = block_tables(slots, starts, num_new, num_slots, max_q, cap // BLOCK)
+    positions = starts[token_row] + token_q
+    got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, max_q, 0.25,
+                              features=(None, window, positions))[0]
+    for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
+        s, end = int(slots[b]), int(starts[b]) + q + 1
+        k = keys[s, :, end - window:end].repeat_interleave(heads // kv_heads, 0)
+        v = values[s, :, end - window:end].repeat_interleave(heads // kv_heads, 0)
+        want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=0.25)[:, 0]
+        torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
