@@ -46,6 +46,19 @@ def test_block_tables_cover_exactly_the_allowed_keys(max_q):
             assert len(listed) <= len(some) + 1 and not set(full) & set(partial_idx[s, 0, qb, :n_part].tolist())
 
 
+def assert_matches_sdpa(got, query, keys, values, slots, starts, token_row, token_q, scale, window=None):
+    """Each packed token's output (token t: row token_row[t]'s query token_q[t], at starts[row] + q) against
+    SDPA over its slot's keys up to itself (the last `window` of them where given)."""
+    groups = query.shape[1] // keys.shape[1]
+    for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
+        s, end = int(slots[b]), int(starts[b]) + q + 1
+        begin = 0 if window is None else end - window
+        k = keys[s, :, begin:end].repeat_interleave(groups, 0)
+        v = values[s, :, begin:end].repeat_interleave(groups, 0)
+        want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=scale)[:, 0]   # [heads, dim]
+        torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("max_q", [1, 5, 130])
 def test_kernel_matches_masked_sdpa(max_q):
     gen = torch.Generator().manual_seed(10 + max_q)
@@ -59,12 +72,7 @@ def test_kernel_matches_masked_sdpa(max_q):
     query = torch.randn(1, heads, len(token_row), dim, generator=gen)
     tables = block_tables(slots, starts, num_new, num_slots, max_q, cap // BLOCK)
     got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, max_q, 0.25)[0]
-    for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
-        s, end = int(slots[b]), int(starts[b]) + q + 1
-        k = keys[s, :, :end].repeat_interleave(heads // kv_heads, 0)
-        v = values[s, :, :end].repeat_interleave(heads // kv_heads, 0)
-        want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=0.25)[:, 0]   # [heads, dim]
-        torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+    assert_matches_sdpa(got, query, keys, values, slots, starts, token_row, token_q, 0.25)
 
 
 def test_kernel_choice_follows_padding_waste():
@@ -133,12 +141,7 @@ def test_many_head_sizes_in_one_process():
         keys, values = torch.randn(2, 4, 2, cap, dim, generator=gen)
         query = torch.randn(1, 4, len(token_row), dim, generator=gen)
         got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, 3, scale)[0]
-        for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
-            end = int(starts[b]) + q + 1
-            k = keys[int(slots[b]), :, :end].repeat_interleave(2, 0)
-            v = values[int(slots[b]), :, :end].repeat_interleave(2, 0)
-            want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=scale)[:, 0]
-            torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+        assert_matches_sdpa(got, query, keys, values, slots, starts, token_row, token_q, scale)
 
 
 @pytest.mark.parametrize("max_q,tree", [(1, False), (5, False), (130, False), (5, True)])
@@ -186,9 +189,4 @@ def test_windowed_kernel_matches_masked_sdpa_at_long_context():
     positions = starts[token_row] + token_q
     got = slot_flex_attention(query, keys, values, slots[token_row], token_q, tables, max_q, 0.25,
                               features=(None, window, positions))[0]
-    for t, (b, q) in enumerate(zip(token_row.tolist(), token_q.tolist())):
-        s, end = int(slots[b]), int(starts[b]) + q + 1
-        k = keys[s, :, end - window:end].repeat_interleave(heads // kv_heads, 0)
-        v = values[s, :, end - window:end].repeat_interleave(heads // kv_heads, 0)
-        want = F.scaled_dot_product_attention(query[0, :, t:t + 1], k, v, scale=0.25)[:, 0]
-        torch.testing.assert_close(got[t], want, atol=2e-5, rtol=1e-4)
+    assert_matches_sdpa(got, query, keys, values, slots, starts, token_row, token_q, 0.25, window)
