@@ -125,7 +125,7 @@ class BlockPool:
     def share(self, owner, blocks: list[int]) -> None:
         """`owner`, holding nothing yet, starts its table with `blocks` (from `match`): their KV is
         its first len(blocks) * block_size positions, taken by reference, not copied."""
-        if self._tables.get(owner) is not None and self._tables[owner].blocks:
+        if self.table(owner):
             raise ValueError(f"{owner!r} already holds blocks: a shared prefix starts a table")
         t = self._tables.setdefault(owner, _Table())
         for block in blocks:
